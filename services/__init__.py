@@ -1,0 +1,1 @@
+"""Strata's services: engine (runtime), gateway/scheduler/scaler (infrastructure), control (tooling)."""

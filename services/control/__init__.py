@@ -1,0 +1,1 @@
+"""Tooling layer: deployments and revisions, the `strata` CLI, the dashboard."""

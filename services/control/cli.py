@@ -1,0 +1,70 @@
+"""The `strata` command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from shared.settings import Settings
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from shared.tiny_model import make_tiny_model
+
+    out = make_tiny_model(args.dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                          kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed,
+                          max_position=args.max_position, tie_embeddings=args.tie_embeddings)
+    print(f"tiny model written to {out}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.localstack import LocalInfra
+    from shared.logging import configure_logging
+    from shared.tiny_model import ensure_tiny_model
+
+    settings = Settings.from_args(args)
+    configure_logging("up", settings.log_format, settings.log_level)
+    model_dir = settings.model or str(ensure_tiny_model(settings.tiny_model_dir))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalInfra(nats_url=settings.nats_url, redis_url=settings.redis_url) as infra:
+        print(f"strata is up\n  nats:  {infra.nats_url}\n  redis: {infra.redis_url}\n  model: {model_dir}",
+              flush=True)
+        stop.wait()
+        print("stopping", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: LLM inference stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny-model", help="write a small random Llama model with a trained tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--max-position", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("up", help="run the whole stack on this machine (no Docker)")
+    Settings.add_arguments(p)
+    p.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What every Strata service imports: settings, logging, the wire protocol, bus and store helpers."""

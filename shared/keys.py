@@ -1,0 +1,44 @@
+"""Every Redis key Strata uses, defined once. All live under the `strata:` prefix."""
+
+PREFIX = "strata"
+
+
+def replica(replica_id: str) -> str:
+    """Hash: a replica's registry entry; expires with its lease unless the heartbeat refreshes it."""
+    return f"{PREFIX}:replica:{replica_id}"
+
+
+def model_replicas(model: str) -> str:
+    """Set: replica ids registered for a model (entries may be stale; check replica() exists)."""
+    return f"{PREFIX}:model:{model}:replicas"
+
+
+def prefix_block(model: str, block_hash: int) -> str:
+    """Set: replicas holding the KV block with this hash."""
+    return f"{PREFIX}:prefix:{model}:{block_hash}"
+
+
+def replica_blocks(model: str, replica_id: str) -> str:
+    """Set: block hashes a replica holds, for cleanup when it goes away."""
+    return f"{PREFIX}:prefix_replica:{model}:{replica_id}"
+
+
+def api_key(key_hash: str) -> str:
+    """Hash: tenant name and limits of an API key, by the key's SHA-256."""
+    return f"{PREFIX}:apikey:{key_hash}"
+
+
+def rate_counter(key_hash: str, kind: str, window: int) -> str:
+    """Counter of requests or tokens for one key in one minute window."""
+    return f"{PREFIX}:rate:{key_hash}:{kind}:{window}"
+
+
+def deployment(name: str) -> str:
+    return f"{PREFIX}:deployment:{name}"
+
+
+def deployment_revisions(name: str) -> str:
+    return f"{PREFIX}:deployment:{name}:revisions"
+
+
+DEPLOYMENTS = f"{PREFIX}:deployments"

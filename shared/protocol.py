@@ -1,0 +1,354 @@
+"""The wire protocol: every NATS subject and message type, defined once.
+
+Payloads are msgpack maps carrying a schema version `v`. Decoding checks the version and every
+field's presence and type, ignores unknown fields (so newer senders can add some), and raises
+`ProtocolError` -- and nothing else -- on bad input. docs/protocol.md documents all of it for
+other teams' services.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+# ---- Subjects -------------------------------------------------------------------------------
+PREFIX = "strata.v1"
+GENERATE = f"{PREFIX}.generate"  # gateway/any caller -> schedulers (queue group SCHEDULER_QUEUE)
+SCHEDULER_QUEUE = "strata-schedulers"
+CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks ownership)
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+KV_EVENTS_ALL = f"{PREFIX}.kv.>"
+CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"
+LOGS_ALL = f"{PREFIX}.logs.>"
+
+
+def _token(name: str) -> str:
+    """A subject token must not contain separators or wildcards."""
+    if not name or any(c in name for c in ".*> \t\r\n"):
+        raise ValueError(f"invalid subject token {name!r}")
+    return name
+
+
+def engine_generate(replica_id: str) -> str:
+    """scheduler -> one engine replica."""
+    return f"{PREFIX}.engine.{_token(replica_id)}.generate"
+
+
+def engine_kv_snapshot(replica_id: str) -> str:
+    """request/reply: the full set of block hashes an engine holds (indexer resync)."""
+    return f"{PREFIX}.engine.{_token(replica_id)}.kv_snapshot"
+
+
+def heartbeat(replica_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{_token(replica_id)}"
+
+
+def kv_events(model: str, replica_id: str) -> str:
+    return f"{PREFIX}.kv.{_token(model)}.{_token(replica_id)}"
+
+
+def logs(service: str) -> str:
+    return f"{PREFIX}.logs.{_token(service)}"
+
+
+# ---- Headers --------------------------------------------------------------------------------
+HEADER_REQUEST_ID = "Strata-Request-Id"
+HEADER_DEADLINE = "Strata-Deadline"  # unix seconds, as a decimal string
+# traceparent / tracestate are the W3C names, injected by shared.bus.
+
+
+# ---- Errors ---------------------------------------------------------------------------------
+class ProtocolError(ValueError):
+    """A payload that is not a valid message of the expected type and version."""
+
+
+class ErrorCode:
+    BAD_REQUEST = "bad_request"  # the request itself is invalid; retrying will not help
+    NOT_FOUND = "not_found"  # unknown model / deployment
+    OVERLOADED = "overloaded"  # no capacity now; retry later
+    UNAVAILABLE = "unavailable"  # replica draining / gone; the scheduler retries elsewhere
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+# ---- Messages -------------------------------------------------------------------------------
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every wire message: a dataclass with typed fields, validated on decode."""
+
+    _hints: ClassVar[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                continue  # absent and None are the same on the wire
+            out[f.name] = _to_wire(value)
+        return out
+
+    @classmethod
+    def from_dict(cls: type[M], data: Any, where: str = "") -> M:
+        where = where or cls.__name__
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+        hints = _hints_of(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in data and data[f.name] is not None:
+                kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: missing required field {f.name!r}")
+        msg = cls(**kwargs)
+        msg.validate()
+        return msg
+
+    def validate(self) -> None:
+        """Cross-field checks; raise ProtocolError."""
+
+
+def _hints_of(cls: type) -> dict[str, Any]:
+    if "_hints" not in cls.__dict__:
+        cls._hints = typing.get_type_hints(cls)
+    return cls._hints
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Return value converted to hint's type, or raise ProtocolError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _check(value, option, where)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+        raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: none of {options} matched")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        key_t, val_t = typing.get_args(hint)
+        return {_check(k, key_t, f"{where} key"): _check(v, val_t, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return hint.from_dict(value, where)
+    if hint is Any:
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
+        return value
+    if hint in (str, bool, bytes):
+        if not isinstance(value, hint):
+            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    raise TypeError(f"unsupported field type {hint!r} at {where}")  # a bug in this module, not bad input
+
+
+def encode(msg: Message) -> bytes:
+    payload = msg.to_dict()
+    payload["v"] = SCHEMA_VERSION
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    """Decode `data` as a `cls` message; raises ProtocolError on anything malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{cls.__name__}: payload must be bytes")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"{cls.__name__}: payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"{cls.__name__}: not valid msgpack ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version is None:
+        raise ProtocolError(f"{cls.__name__}: missing schema version 'v'")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(f"{cls.__name__}: unsupported schema version {version!r} "
+                            f"(supported: {sorted(SUPPORTED_VERSIONS)})")
+    return cls.from_dict(obj)
+
+
+@dataclass
+class SamplingSpec(Message):
+    """Sampling parameters on the wire; the engine validates their ranges."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class GenerateRequest(Message):
+    """A generation request; the token stream goes to `reply_to`."""
+
+    request_id: str
+    model: str
+    reply_to: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    deadline: float | None = None  # unix seconds; the request is aborted after it
+    tenant: str | None = None
+    priority: str | None = None  # critical | standard | sheddable
+    # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
+    timestamps: dict[str, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.request_id:
+            raise ProtocolError("GenerateRequest: request_id must not be empty")
+        if not self.reply_to:
+            raise ProtocolError("GenerateRequest: reply_to must not be empty")
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise ProtocolError("GenerateRequest: one of 'prompt' or 'prompt_token_ids' is required")
+
+
+@dataclass
+class ErrorInfo(Message):
+    code: str
+    message: str
+
+
+@dataclass
+class Usage(Message):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class TokenLogprob(Message):
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # top-n alternatives: token id -> logprob
+
+
+@dataclass
+class TokenChunk(Message):
+    """One message of a request's stream. The last one has `finish_reason` (or `error`)."""
+
+    request_id: str
+    seq: int  # 0, 1, 2, ... per request, so a reader can detect loss
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: ErrorInfo | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None  # seconds per phase, on the final chunk
+    logprobs: list[TokenLogprob] | None = None
+    replica_id: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Cancel(Message):
+    request_id: str
+    tenant: str | None = None
+
+
+@dataclass
+class ErrorReply(Message):
+    """Reply to a malformed or refused message that had a reply subject."""
+
+    error: ErrorInfo
+    request_id: str | None = None
+
+
+@dataclass
+class Heartbeat(Message):
+    replica_id: str
+    model: str
+    deployment: str
+    state: str  # starting | ready | draining
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_rate: float = 0.0
+    tokens_per_s: float = 0.0
+    block_size: int = 16
+    timestamp: float = 0.0
+
+
+@dataclass
+class KvBlockStored(Message):
+    block_hash: int
+    parent_hash: int | None = None
+
+
+@dataclass
+class KvEventBatch(Message):
+    """Blocks an engine stored and removed since its previous batch; `seq` reveals gaps."""
+
+    replica_id: str
+    model: str
+    seq: int
+    stored: list[KvBlockStored] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False  # the engine dropped its whole cache before these events
+
+
+@dataclass
+class KvSnapshot(Message):
+    replica_id: str
+    seq: int  # the event seq this snapshot is consistent with
+    block_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KvSnapshotRequest(Message):
+    replica_id: str | None = None
+
+
+@dataclass
+class DeploymentChanged(Message):
+    name: str
+    revision: int
+    action: str  # apply | canary | promote | rollback | delete

@@ -1,0 +1,30 @@
+"""Fixtures shared by every test: real NATS and Valkey servers, the tiny model, offline mode."""
+
+from __future__ import annotations
+
+import os
+
+# No downloads at run time, ever: models and tokenizers come from local directories.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from shared.localstack import LocalInfra
+from shared.tiny_model import ensure_tiny_model
+
+
+@pytest.fixture(scope="session")
+def infra():
+    """Embedded nats-server + valkey-server, or the ones named by STRATA_NATS_URL / STRATA_REDIS_URL."""
+    stack = LocalInfra(nats_url=os.environ.get("STRATA_NATS_URL", ""),
+                       redis_url=os.environ.get("STRATA_REDIS_URL", ""))
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")

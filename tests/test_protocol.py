@@ -1,0 +1,97 @@
+"""The protocol decoder: valid messages round-trip; anything malformed raises ProtocolError only."""
+
+import random
+
+import msgpack
+import pytest
+
+from shared import protocol
+from shared.protocol import (Cancel, GenerateRequest, KvBlockStored, KvEventBatch, ProtocolError,
+                             SamplingSpec, TokenChunk, Usage)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def valid_request() -> GenerateRequest:
+    return GenerateRequest(request_id="r1", model="tiny", reply_to="_INBOX.x", prompt="hi",
+                           sampling=SamplingSpec(max_tokens=8, temperature=0.0, stop=["\n"]))
+
+
+def test_round_trip_keeps_every_field():
+    req = valid_request()
+    assert protocol.decode(GenerateRequest, protocol.encode(req)) == req
+    chunk = TokenChunk(request_id="r1", seq=3, token_ids=[1, 2], text="ab", finish_reason="stop",
+                       usage=Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=4),
+                       timings={"prefill": 0.01})
+    back = protocol.decode(TokenChunk, protocol.encode(chunk))
+    assert back == chunk and back.is_final
+    batch = KvEventBatch(replica_id="e0", model="m", seq=7,
+                         stored=[KvBlockStored(block_hash=2**63 + 5, parent_hash=None)], removed=[9])
+    assert protocol.decode(KvEventBatch, protocol.encode(batch)) == batch
+
+
+def test_unknown_fields_are_ignored():
+    payload = valid_request().to_dict() | {"v": 1, "future_field": {"x": 1}}
+    assert protocol.decode(GenerateRequest, pack(payload)).request_id == "r1"
+
+
+def test_int_is_accepted_where_a_float_is_expected():
+    payload = valid_request().to_dict() | {"v": 1}
+    payload["sampling"]["temperature"] = 1
+    assert protocol.decode(GenerateRequest, pack(payload)).sampling.temperature == 1.0
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (b"\xc1", "not valid msgpack"),
+    (b"", "not valid msgpack"),
+    (pack([1, 2, 3]), "expected a map"),
+    (pack({"request_id": "r", "model": "m", "reply_to": "x", "prompt": "p"}), "missing schema version"),
+    (pack({"v": 99, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p"}), "unsupported schema version"),
+    (pack({"v": "1", "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p"}), "unsupported schema version"),
+    (pack({"v": 1, "model": "m", "reply_to": "x", "prompt": "p"}), "missing required field 'request_id'"),
+    (pack({"v": 1, "request_id": 5, "model": "m", "reply_to": "x", "prompt": "p"}), "request_id: expected str"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x"}), "one of 'prompt' or 'prompt_token_ids'"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt_token_ids": [1, "a"]}),
+     "prompt_token_ids[1]: expected an integer"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p",
+           "sampling": {"max_tokens": True}}), "sampling.max_tokens: expected an integer"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p",
+           "sampling": "greedy"}), "sampling: expected a map"),
+    (pack({"v": 1, "request_id": "", "model": "m", "reply_to": "x", "prompt": "p"}), "request_id must not be empty"),
+])
+def test_malformed_payloads_raise_the_clear_error(payload, needle):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode(GenerateRequest, payload)
+    assert needle in str(info.value)
+
+
+def test_oversized_payload_is_rejected_before_parsing():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(Cancel, b"\x00" * (protocol.MAX_PAYLOAD_BYTES + 1))
+
+
+def test_garbage_and_truncations_only_ever_raise_protocol_error():
+    rng = random.Random(1234)
+    good = protocol.encode(valid_request())
+    samples = [good[:i] for i in range(len(good))]
+    samples += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(500)]
+    for i in range(300):  # flip bytes of a valid payload
+        b = bytearray(good)
+        b[rng.randrange(len(b))] = rng.randrange(256)
+        samples.append(bytes(b))
+    for data in samples:
+        for cls in (GenerateRequest, TokenChunk, Cancel, KvEventBatch):
+            try:
+                protocol.decode(cls, data)
+            except ProtocolError:
+                pass
+
+
+def test_subject_tokens_are_checked():
+    assert protocol.engine_generate("e-1") == "strata.v1.engine.e-1.generate"
+    assert protocol.kv_events("tiny", "e-1") == "strata.v1.kv.tiny.e-1"
+    for bad in ["", "a.b", "a*", ">", "a b"]:
+        with pytest.raises(ValueError):
+            protocol.heartbeat(bad)
