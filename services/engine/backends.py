@@ -1,0 +1,47 @@
+"""Device backends: the few ops the model needs, in plain torch or as Triton kernels.
+
+The engine picks Triton on CUDA and torch elsewhere; both read the same KV cache layout
+(see services.engine.attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention import TorchAttention
+from services.engine.rotary import apply_rotary
+
+
+class TorchOps:
+    name = "torch"
+    attention_cls = TorchAttention
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm as Hugging Face computes it; with residual, adds it first and returns both."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return normed if residual is None else (normed, residual)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    rotary = staticmethod(apply_rotary)
+
+
+def select_ops(device: torch.device, backend: str = "auto"):
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return TorchOps
+    if backend == "triton":
+        from services.engine.triton_backend import TritonOps
+        return TritonOps
+    raise ValueError(f"unknown attention backend {backend!r} (auto, torch, triton)")

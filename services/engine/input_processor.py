@@ -1,0 +1,38 @@
+"""Tokenize and validate requests before they reach the engine loop (thread-safe)."""
+
+from __future__ import annotations
+
+from services.engine.model_config import ModelConfig
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, config: ModelConfig, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = max_model_len
+        # The vocabulary the model accepts may be padded beyond the tokenizer's.
+        self.vocab_size = max(config.vocab_size, len(tokenizer))
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size:
+                    raise InvalidRequestError(f"token id {t!r} outside the vocabulary [0, {self.config.vocab_size})",
+                                              "prompt")
+            text, ids = None, list(prompt)
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens leaves no room to generate: this model's maximum context "
+                f"length is {self.max_model_len} tokens", "prompt")
+        params.validate(self.config.vocab_size)
+        return text, ids

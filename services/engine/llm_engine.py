@@ -1,0 +1,165 @@
+"""The engine: requests in, one scheduled batch per step, tokens out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from services.engine.block_manager import BlockManager, KvEvents
+from services.engine.config import EngineArgs
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.input_processor import InputProcessor
+from services.engine.model_config import ModelConfig
+from services.engine.model_runner import ModelRunner, StepTimings
+from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, stream_text: bool = True):
+        self.args = args or EngineArgs()
+        self.model_config = ModelConfig.load(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(self.model_config, self.args)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size,
+                                          self.args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens)
+        self.max_model_len = min(self.args.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings,
+                                 self.runner.num_blocks * self.args.block_size)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.stream_text = stream_text  # False: decode text once at the end unless stop strings need it
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self.step_timings = StepTimings()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._aborted: list[RequestOutput] = []
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError and changes nothing if bad."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self.inputs.process(prompt, params)
+        self.add_processed(request_id, text, ids, params, arrival_time)
+
+    def add_processed(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None) -> None:
+        """Queue a request already validated by self.inputs (the async engine validates off-loop)."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params.stop,
+                                       params.skip_special_tokens, params.include_stop_str_in_output)
+        seq = Sequence(request_id, ids, params, detok, text, arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.finish_time = time.monotonic()
+        self._aborted.append(self._output(seq))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        if self.args.debug_step_delay_s:
+            time.sleep(self.args.debug_step_delay_s)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampled_seqs, result = self.runner.execute(batch, self.step_timings)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        now = time.monotonic()
+        for seq, token, logprob in zip(sampled_seqs, result.token_ids, result.logprobs):
+            self._append_token(seq, token, logprob, now)
+            outputs.append(self._output(seq))
+        self.num_steps += 1
+        self.num_generated_tokens += len(sampled_seqs)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            chosen, top = logprob
+            seq.logprobs.append({**top, token: chosen})
+        params = seq.params
+        reason = None
+        if params.stop or self.stream_text:
+            if seq.detokenizer.append(seq.token_ids):
+                reason = "stop"
+        if reason is None:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.finish_time = now
+            del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.is_finished
+        new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
+        new_logprobs = [(t, lp[t], lp) for t, lp in zip(new_ids, seq.logprobs[seq.num_emitted_tokens:])] \
+            if seq.params.logprobs is not None else []
+        seq.num_emitted_tokens = seq.num_output_tokens
+        if finished and not (seq.params.stop or self.stream_text):
+            seq.detokenizer.output_text = self.tokenizer.backend_tokenizer.decode(
+                seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        delta = seq.detokenizer.take_delta(finished)
+        completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.stream_text else "",
+                                      seq.output_token_ids, seq.finish_reason,
+                                      list(seq.logprobs) if seq.params.logprobs is not None else None)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
+                             finished, max(seq.num_cached_tokens, 0), new_ids, delta, new_logprobs, metrics)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def drain_kv_events(self) -> KvEvents:
+        return self.block_manager.drain_events()
+
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "used_blocks": bm.num_used_blocks,
+            "cached_blocks": len(bm.cached),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "num_steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "step_prepare_s": self.step_timings.prepare,
+            "step_forward_s": self.step_timings.forward,
+            "step_sample_s": self.step_timings.sample,
+        }

@@ -1,0 +1,162 @@
+"""Owns the model, the KV cache and the sampler; turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.backends import select_ops
+from services.engine.config import EngineArgs
+from services.engine.model import LlamaModel
+from services.engine.model_config import ModelConfig
+from services.engine.sampler import SampleResult, Sampler
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _keep_freed_memory_on_cpu() -> None:
+    """Per-step tensors of a few MB would otherwise be mmap'ed and unmapped by glibc every step,
+    and the page faults cost more than the attention itself. Keep them on the heap."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+            libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (glibc's maximum)
+        except OSError:
+            pass
+
+
+@dataclass
+class StepTimings:
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, args: EngineArgs):
+        self.config, self.args = config, args
+        self.device = torch.device(args.device)
+        self.dtype = self._resolve_dtype(args.dtype)
+        if self.device.type == "cpu":
+            _keep_freed_memory_on_cpu()
+        self.ops = select_ops(self.device, args.attention_backend)
+        self.model = LlamaModel(config, self.dtype, self.device, self.ops)
+        self.block_size = args.block_size
+        self.num_blocks = args.num_kv_blocks or self._auto_num_blocks()
+        shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(config.num_layers)]
+        self.sampler = Sampler(config.vocab_size)
+
+    def _resolve_dtype(self, dtype: str) -> torch.dtype:
+        if dtype == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _auto_num_blocks(self) -> int:
+        """Size the cache from what the device has."""
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = free * self.args.gpu_memory_utilization - self.args.activation_reserve_bytes
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(available * self.args.cpu_kv_cache_fraction, self.args.cpu_kv_cache_max_bytes)
+        blocks = int(budget // self.kv_bytes_per_block)
+        # No point holding more than max_num_seqs full-length sequences (and their prefixes) on CPU.
+        if self.device.type == "cpu":
+            cap = 4 * self.args.max_num_seqs * -(-self.config.max_position_embeddings // self.block_size)
+            blocks = min(blocks, cap)
+        if blocks < 2:
+            raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**20:.0f} MiB available)")
+        return blocks
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten a scheduled batch: decode tokens first, then prefill chunks."""
+        bs = self.block_size
+        decodes, prefills = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
+        order = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+
+        def tables(group) -> torch.Tensor:
+            width = max((len(s.block_table) for s, _ in group), default=0)
+            return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in group],
+                                dtype=torch.int32).view(len(group), width)
+
+        decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        prefill_qlens = [n for _, n in prefills]
+        prefill_ctx = [s.num_computed_tokens + n for s, n in prefills]
+        starts = [0]
+        for n in prefill_qlens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            num_decodes=len(decodes),
+            decode_block_tables=tables(decodes).to(dev, non_blocking=True),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            decode_max_context=max(decode_lens, default=0),
+            num_prefill_tokens=sum(prefill_qlens),
+            prefill_block_tables=tables(prefills).to(dev, non_blocking=True),
+            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            prefill_context_lens=torch.tensor(prefill_ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            prefill_query_lens_host=prefill_qlens,
+            prefill_context_lens_host=prefill_ctx,
+        )
+        # Sample only for sequences whose chunk reaches their last token.
+        sample_rows, sample_seqs = [], []
+        offset = 0
+        for seq, n in order:
+            offset += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_seqs.append(seq)
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, pos, meta, sample_rows, sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, timings: StepTimings | None = None
+                ) -> tuple[list[Sequence], SampleResult]:
+        t0 = time.perf_counter()
+        ids, pos, meta, rows, seqs = self.prepare(batch)
+        t1 = time.perf_counter()
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        if logits is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        result = self.sampler(logits.cpu(), seqs) if rows else SampleResult([], [])
+        t3 = time.perf_counter()
+        if timings is not None:
+            timings.prepare += t1 - t0
+            timings.forward += t2 - t1
+            timings.sample += t3 - t2
+        return seqs, result

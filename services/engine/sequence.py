@@ -1,0 +1,73 @@
+"""One request's state inside the engine: its tokens, its blocks, its progress and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, prompt: str | None = None,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # hash of each full block, memoized by the block manager
+        self.num_registered_blocks = 0  # leading blocks of block_table already checked into the cache
+
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.logprobs: list[dict] = []
+        self.num_emitted_tokens = 0  # output tokens already handed out in a step output
+
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")
