@@ -76,7 +76,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or aborted ones whose final output is not out yet."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

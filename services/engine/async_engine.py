@@ -1,0 +1,164 @@
+"""The engine for asyncio services: the step loop runs in its own thread, never on the event loop.
+
+Requests are validated on the caller's thread (so a bad one raises at add time) and handed to
+the loop thread through a command queue; each step's outputs come back to the event loop and
+are delivered to one stream per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from services.engine.block_manager import KvEvents
+from services.engine.config import EngineArgs
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from shared.logging import get_logger
+
+log = get_logger()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; every open stream gets it."""
+
+
+class RequestStream:
+    """Async iterator over one request's step outputs; ends after the finished one."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def drain_ready(self) -> list[RequestOutput]:
+        """Outputs already delivered and not yet read (to batch them into one message)."""
+        items = []
+        while not self.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self.queue.put_nowait(item)  # raise it on the next __anext__
+                break
+            items.append(item)
+            self.finished = item.finished
+        return items
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[KvEvents], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # called on the event loop after each step with its KV events
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.tokens_generated = 0
+
+    @classmethod
+    def from_model(cls, model_dir: str | Path, **engine_args) -> "AsyncLLMEngine":
+        return cls(LLMEngine(model_dir, EngineArgs.from_kwargs(**engine_args)))
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestStream:
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error}")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self.engine.inputs.process(prompt, params)
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic()))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason 'abort' and its blocks are freed
+        before the next step."""
+        if request_id in self._streams:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    # ---- the loop thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                events = engine.drain_kv_events()
+                self._loop.call_soon_threadsafe(self._deliver, outputs, events)
+        except BaseException as exc:  # the loop is dead: tell every stream, once
+            log.exception("engine loop failed")
+            self.error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, text, ids, params, arrival = command
+                self.engine.add_processed(rid, text, ids, params, arrival)
+            else:
+                self.engine.abort_request(command[1])
+
+    def _deliver(self, outputs: list[RequestOutput], events: KvEvents) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            self.tokens_generated += len(out.new_token_ids)
+            if out.finished:
+                del self._streams[out.request_id]
+        if self.on_step is not None and events:
+            self.on_step(events)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"engine stopped: {exc}"))
+        self._streams.clear()
