@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,10 +39,15 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """Portable attention in plain torch (the CPU path): gather the blocks, then SDPA."""
+    """Portable attention in plain torch (the CPU path): gather the blocks, then SDPA.
+
+    On CPU with fp32, decode uses the C kernel in kernels.cpu instead, which reads the cache
+    through the block table without the gather copy.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.cpu_kernels = cpu_kernels.load() is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -60,6 +67,9 @@ class TorchAttention:
         return cache.view(cache.shape[0], -1).index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.cpu_kernels and q.device.type == "cpu" and q.dtype == torch.float32:
+            return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_context_lens, self.scale)
         b, block_size = q.shape[0], k_cache.shape[1]
         if meta.decode_gather_index is None:
             num_blocks = -(-meta.decode_max_context // block_size)
