@@ -294,6 +294,18 @@ class Cancel(Message):
 
 
 @dataclass
+class GenerateAck(Message):
+    """An engine's answer on the NATS reply subject of a generate message (when it has one):
+    accepted, or refused with an error. A refused request gets no chunk on `reply_to`: whoever
+    asked (the scheduler) retries elsewhere or sends the caller the final error itself."""
+
+    request_id: str
+    replica_id: str
+    accepted: bool
+    error: ErrorInfo | None = None
+
+
+@dataclass
 class ErrorReply(Message):
     """Reply to a malformed or refused message that had a reply subject."""
 

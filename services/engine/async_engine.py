@@ -24,6 +24,11 @@ from shared.logging import get_logger
 log = get_logger()
 
 
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; every open stream gets it."""
 
@@ -116,6 +121,14 @@ class AsyncLLMEngine:
             self._commands.put(("abort", request_id))
             self._wake.set()
 
+    async def kv_snapshot(self) -> set[int]:
+        """Block hashes cached right now. KV events drained up to this point are delivered to
+        on_step before this returns, so a consumer can line the snapshot up with the events."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("snapshot", future))
+        self._wake.set()
+        return await asyncio.wait_for(future, 30)
+
     # ---- the loop thread --------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -143,8 +156,13 @@ class AsyncLLMEngine:
             if command[0] == "add":
                 _, rid, text, ids, params, arrival = command
                 self.engine.add_processed(rid, text, ids, params, arrival)
-            else:
+            elif command[0] == "abort":
                 self.engine.abort_request(command[1])
+            else:  # snapshot
+                events = self.engine.drain_kv_events()
+                hashes = self.engine.block_manager.cached_block_hashes()
+                self._loop.call_soon_threadsafe(self._deliver, [], events)
+                self._loop.call_soon_threadsafe(_resolve, command[1], hashes)
 
     def _deliver(self, outputs: list[RequestOutput], events: KvEvents) -> None:
         for out in outputs:

@@ -10,7 +10,9 @@ import os
 if os.environ.get("STRATA_KERNEL_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,6 +320,41 @@ def test_chunked_prefill_then_decode_end_to_end(dtype):
         out = torch.cat(got[s])
         expect = dense_causal(seq_q[s], seq_k[s], seq_v[s], scale).to(dtype)
         assert_close(out, expect, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
+def test_attention_with_gpu_tile_sizes(dtype, monkeypatch):
+    """Decode and prefill with the tile sizes the GPU launch uses (64-token tiles,
+    64-row prefill tiles), which the CPU runs above otherwise replace by 16."""
+    import kernels.attention as attention
+
+    monkeypatch.setitem(attention._DECODE_BLOCK_N, "cpu", attention._DECODE_BLOCK_N["cuda"])
+    monkeypatch.setitem(attention._PREFILL_BLOCKS, "cpu", attention._PREFILL_BLOCKS["cuda"])
+    gen = torch.Generator().manual_seed(10)
+    ctx_lens = [p + n for p, n in PREFILL_SEQS] + [150]
+    q_lens = [n for _, n in PREFILL_SEQS] + [70]
+    k_cache, v_cache, tables = make_paged_kv(ctx_lens, 128, dtype)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q = randn(sum(q_lens), NUM_KV_HEADS * 4, 128, dtype=dtype, gen=gen, scale=2.0)
+    out = K.paged_prefill_attention(q, k_cache, v_cache, tables, qsl, ctx, 0.09)
+    assert_close(out, K.paged_prefill_attention_ref(q, k_cache, v_cache, tables, qsl, ctx, 0.09), dtype)
+    qd = q[: len(ctx_lens)].contiguous()
+    for splits in (1, 2):
+        out = K.paged_decode_attention(qd, k_cache, v_cache, tables, ctx, 0.09, num_splits=splits)
+        assert_close(out, K.paged_decode_attention_ref(qd, k_cache, v_cache, tables, ctx, 0.09), dtype)
+
+
+def test_kernels_compile_for_gpu():
+    """Compile each kernel for sm_90 with Triton's compiler (no GPU needed), catching
+    errors the interpreter cannot see; see aot_compile_check.py."""
+    script = Path(__file__).with_name("aot_compile_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, str(script), "--arch", "90"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 failed" in proc.stdout
 
 
 # ----------------------------------------------------------------------------

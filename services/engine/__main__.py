@@ -1,0 +1,78 @@
+"""python -m services.engine --model DIR --replica-id ID [--deployment NAME] [engine args]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+from services.engine.service import EngineWorker, WorkerConfig
+from shared.logging import configure_logging
+from shared.settings import Settings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.engine", description="Strata engine worker")
+    p.add_argument("--replica-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--deployment", default="", help="served model name (default: the model directory's name)")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
+    p.add_argument("--lease-ttl", type=float, default=5.0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    e = p.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--debug-step-delay", type=float, default=0.0, help="test only: slow every step down")
+    Settings.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def served_name(model_dir: str) -> str:
+    """A NATS-subject-safe name for the model directory."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", Path(model_dir).resolve().name) or "model"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = Settings.from_args(args)
+    configure_logging("engine", settings.log_format, settings.log_level)
+    if not settings.model:
+        print("--model (or STRATA_MODEL) is required", file=sys.stderr)
+        return 2
+    if not settings.nats_url or not settings.redis_url:
+        print("--nats-url and --redis-url (or STRATA_NATS_URL / STRATA_REDIS_URL) are required; "
+              "`strata up` starts a local stack", file=sys.stderr)
+        return 2
+    engine_args = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+                       attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay)
+    cfg = WorkerConfig(model_dir=settings.model, replica_id=args.replica_id,
+                       deployment=args.deployment or served_name(settings.model),
+                       nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,
+                       http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
+                       drain_timeout=args.drain_timeout, engine_args=engine_args)
+
+    async def run() -> None:
+        worker = EngineWorker(cfg)
+        await worker.start()
+        await worker.run()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

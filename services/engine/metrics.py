@@ -1,0 +1,59 @@
+"""Prometheus metrics of an engine replica, with vLLM's names under the `strata:` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    def __init__(self, model: str, replica_id: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "replica"]
+        self._values = {"model_name": model, "replica": replica_id}
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(**self._values)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(**self._values)
+
+        def histogram(name, doc):
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(**self._values)
+
+        self.running = gauge("strata:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("strata:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("strata:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.prefix_queries = counter("strata:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("strata:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("strata:num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("strata:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("strata:generation_tokens", "Tokens generated.")
+        self.ttft = histogram("strata:time_to_first_token_seconds", "Time to first token (engine arrival).")
+        self.itl = histogram("strata:inter_token_latency_seconds", "Time between consecutive streamed tokens.")
+        self.e2e = histogram("strata:e2e_request_latency_seconds", "Engine arrival to final token.")
+        self.queue_time = histogram("strata:request_queue_time_seconds", "Time waiting before the first schedule.")
+        self.prefill_time = histogram("strata:request_prefill_time_seconds", "First schedule to first token.")
+        self.decode_time = histogram("strata:request_decode_time_seconds", "First token to finish.")
+        self._success = Counter("strata:request_success", "Finished requests by reason.",
+                                labels + ["finished_reason"], registry=r)
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(**self._values, finished_reason=reason).inc()
+
+    def update_engine(self, stats: dict) -> None:
+        """Mirror the engine's cumulative counters (read once per heartbeat)."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["used_blocks"] / max(stats["total_blocks"], 1))
+        for key, counter, stat in (("queries", self.prefix_queries, "prefix_cache_queries"),
+                                   ("hits", self.prefix_hits, "prefix_cache_hits"),
+                                   ("preemptions", self.preemptions, "num_preemptions")):
+            delta = stats[stat] - self._last[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._last[key] = stats[stat]

@@ -1,0 +1,345 @@
+"""The engine worker: one engine on the bus.
+
+Wires NATS subscriptions to handlers: generate requests stream TokenChunks straight to the
+caller's reply subject; cancels abort; KV events and heartbeats go out; the Redis registry entry
+is kept alive by the heartbeat loop. SIGTERM drains: no new work, in-flight streams finish (up
+to a timeout), the entry is removed, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from services.engine.block_manager import KvEvents
+from services.engine.config import EngineArgs
+from services.engine.llm_engine import LLMEngine
+from services.engine.metrics import EngineMetrics
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from shared import protocol, registry
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
+                             KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, TokenChunk,
+                             TokenLogprob, Usage)
+from shared.store import connect_redis
+
+log = get_logger()
+
+
+@dataclass
+class WorkerConfig:
+    model_dir: str
+    replica_id: str
+    deployment: str
+    nats_url: str
+    redis_url: str
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    lease_ttl: float = 5.0
+    heartbeat_interval: float = 1.0
+    drain_timeout: float = 30.0
+    engine_args: dict = field(default_factory=dict)
+
+
+def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+        min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
+        ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty)
+
+
+class EngineWorker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.state = "starting"
+        self.engine: AsyncLLMEngine | None = None
+        self.bus: Bus | None = None
+        self.redis = None
+        self.metrics = EngineMetrics(cfg.deployment, cfg.replica_id)
+        self.http_url = ""
+        self._tenants: dict[str, str | None] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._kv_queue: asyncio.Queue[KvEvents | None] = asyncio.Queue()
+        self._kv_seq = 0
+        self._stopping = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._last_tokens = (time.monotonic(), 0)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        structlog.contextvars.bind_contextvars(replica_id=cfg.replica_id)
+        args = EngineArgs.from_kwargs(**cfg.engine_args)
+        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, cfg.model_dir, args)
+        self.engine = AsyncLLMEngine(engine, on_step=self._kv_queue.put_nowait)
+        self.engine.start()
+        self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}")
+        self.redis = connect_redis(cfg.redis_url, f"engine-{cfg.replica_id}")
+        await self._start_http()
+        await self.bus.subscribe(protocol.engine_generate(cfg.replica_id), GenerateRequest, self.on_generate)
+        await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
+        await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
+        self._spawn(self._publish_kv_events())
+        self.state = "ready"
+        await self._heartbeat_once()
+        self._spawn(self._heartbeat_loop())
+        log.info("engine ready", model=cfg.model_dir, deployment=cfg.deployment, http=self.http_url,
+                 kv_blocks=engine.block_manager.num_blocks, block_size=args.block_size)
+
+    async def _start_http(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._http_metrics)
+        app.router.add_get("/health", self._http_health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.http_url = f"http://{self.cfg.http_host}:{port}"
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain and stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self._stopping.wait()
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Stop taking work, let in-flight streams finish (up to drain_timeout), deregister."""
+        self.state = "draining"
+        log.info("draining", in_flight=self.engine.num_open_streams)
+        await self._heartbeat_once()
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while self.engine.num_open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._tenants):
+            self.engine.abort(rid)  # past the timeout: they end with finish_reason "abort"
+        streams = [t for t in self._tasks if t.get_name().startswith("stream:")]
+        if streams:
+            await asyncio.wait(streams, timeout=5)
+        await self.stop()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            if not task.get_name().startswith("stream:"):
+                task.cancel()
+        try:
+            await registry.remove(self.redis, self.cfg.replica_id, self.cfg.deployment)
+        except Exception as exc:
+            log.warning("deregister failed", error=str(exc))
+        await self.engine.shutdown()
+        await self.bus.close()
+        await self.redis.aclose()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        log.info("engine stopped")
+
+    def _spawn(self, coro, name: str = "") -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name or None)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- generate ---------------------------------------------------------------------------
+    async def on_generate(self, req: GenerateRequest, raw) -> None:
+        arrival = time.monotonic()
+        if self.state != "ready":
+            await self._refuse(req, raw, ErrorCode.UNAVAILABLE, f"replica {self.cfg.replica_id} is {self.state}")
+            return
+        if req.deadline is not None and req.deadline <= time.time():
+            await self._refuse(req, raw, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the request arrived")
+            return
+        prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
+        try:
+            stream = self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival)
+        except InvalidRequestError as exc:
+            await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        except EngineDeadError as exc:
+            await self._refuse(req, raw, ErrorCode.UNAVAILABLE, str(exc))
+            return
+        self._tenants[req.request_id] = req.tenant
+        if raw.reply:
+            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True))
+        self._spawn(self._stream(req, stream, arrival), name=f"stream:{req.request_id}")
+
+    async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
+        """Refused requests: the sender learns it on the ack if it asked for one (and owns the
+        caller's final message); otherwise the caller gets a final error chunk."""
+        log.info("request refused", request_id=req.request_id, code=code, reason=message)
+        error = ErrorInfo(code=code, message=message)
+        if raw.reply:
+            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, False, error))
+        else:
+            await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
+                                                            error=error, replica_id=self.cfg.replica_id))
+
+    async def _stream(self, req: GenerateRequest, stream: RequestStream, arrival: float) -> None:
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        seq_no, last_emit = 0, None
+        try:
+            while True:
+                timeout = None if req.deadline is None else max(req.deadline - time.time(), 0.0)
+                try:
+                    first = await asyncio.wait_for(stream.__anext__(), timeout)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    self.engine.abort(req.request_id)
+                    await self._final_error(req, seq_no, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+                    await self._discard(stream)
+                    return
+                outs = [first] + stream.drain_ready()  # everything since the last chunk, in one message
+                chunk = self._chunk(req, seq_no, outs)
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if last_emit is None:
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe((now - last_emit) / len(chunk.token_ids))
+                    last_emit = now
+                await self.bus.publish(req.reply_to, chunk)
+                seq_no += 1
+                if chunk.is_final:
+                    self._record_final(outs[-1], arrival)
+                    return
+        except EngineDeadError as exc:
+            await self._final_error(req, seq_no, ErrorCode.INTERNAL, str(exc))
+        except Exception:
+            log.exception("stream failed")
+            self.engine.abort(req.request_id)
+            await self._final_error(req, seq_no, ErrorCode.INTERNAL, "internal error in the engine worker")
+            await self._discard(stream)
+        finally:
+            self._tenants.pop(req.request_id, None)
+
+    @staticmethod
+    async def _discard(stream: RequestStream) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception:
+            pass
+
+    async def _final_error(self, req: GenerateRequest, seq_no: int, code: str, message: str) -> None:
+        self.metrics.finished("error")
+        await self.bus.publish(req.reply_to, TokenChunk(
+            request_id=req.request_id, seq=seq_no, finish_reason="error",
+            error=ErrorInfo(code=code, message=message), replica_id=self.cfg.replica_id))
+
+    def _chunk(self, req: GenerateRequest, seq_no: int, outs: list[RequestOutput]) -> TokenChunk:
+        last = outs[-1]
+        chunk = TokenChunk(request_id=req.request_id, seq=seq_no,
+                           token_ids=[t for o in outs for t in o.new_token_ids],
+                           text="".join(o.text_delta for o in outs), replica_id=self.cfg.replica_id)
+        if req.sampling.logprobs is not None:
+            chunk.logprobs = [TokenLogprob(token_id=t, logprob=lp, top=top)
+                              for o in outs for t, lp, top in o.new_logprobs]
+        if last.finished:
+            completion = last.outputs[0]
+            chunk.finish_reason = completion.finish_reason
+            chunk.usage = Usage(prompt_tokens=len(last.prompt_token_ids),
+                                completion_tokens=len(completion.token_ids), cached_tokens=last.num_cached_tokens)
+            chunk.timings = {f"engine_{k}": v for k, v in last.metrics.timings().items()}
+        return chunk
+
+    def _record_final(self, out: RequestOutput, arrival: float) -> None:
+        m = self.metrics
+        m.finished(out.outputs[0].finish_reason or "unknown")
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(len(out.outputs[0].token_ids))
+        m.e2e.observe(time.monotonic() - arrival)
+        t = out.metrics.timings()
+        for key, hist in (("queue", m.queue_time), ("prefill", m.prefill_time), ("decode", m.decode_time)):
+            if key in t:
+                hist.observe(t[key])
+
+    # ---- cancel, KV events, heartbeats -------------------------------------------------------
+    async def on_cancel(self, msg: Cancel, raw) -> None:
+        if msg.request_id not in self._tenants:
+            return  # not ours (every engine hears every cancel)
+        owner = self._tenants[msg.request_id]
+        if msg.tenant is not None and owner is not None and msg.tenant != owner:
+            log.warning("cancel refused: tenant mismatch", request_id=msg.request_id)
+            return
+        log.info("cancel", request_id=msg.request_id)
+        self.engine.abort(msg.request_id)
+
+    async def _publish_kv_events(self) -> None:
+        subject = protocol.kv_events(self.cfg.deployment, self.cfg.replica_id)
+        while True:
+            events = await self._kv_queue.get()
+            if not events:
+                continue
+            self._kv_seq += 1
+            batch = KvEventBatch(replica_id=self.cfg.replica_id, model=self.cfg.deployment, seq=self._kv_seq,
+                                 stored=[KvBlockStored(block_hash=h, parent_hash=p) for h, p in events.stored],
+                                 removed=list(events.removed))
+            try:
+                await self.bus.publish(subject, batch)
+            except Exception as exc:  # a lost batch shows as a gap; the indexer resyncs
+                log.warning("kv event publish failed", error=str(exc))
+
+    async def on_kv_snapshot(self, _req: KvSnapshotRequest, raw) -> None:
+        hashes = await self.engine.kv_snapshot()
+        # Events drained with the snapshot sit in the queue ahead of nothing else: publish them
+        # first, so the snapshot's seq covers them.
+        while not self._kv_queue.empty():
+            await asyncio.sleep(0)
+        if raw.reply:
+            await self.bus.publish(raw.reply, KvSnapshot(replica_id=self.cfg.replica_id, seq=self._kv_seq,
+                                                         block_hashes=sorted(hashes)))
+
+    def heartbeat(self) -> Heartbeat:
+        stats = self.engine.engine.stats()
+        now = time.monotonic()
+        then, tokens_then = self._last_tokens
+        tokens = self.engine.tokens_generated
+        self._last_tokens = (now, tokens)
+        queries = stats["prefix_cache_queries"]
+        return Heartbeat(
+            replica_id=self.cfg.replica_id, model=self.cfg.deployment, deployment=self.cfg.deployment,
+            state=self.state, running=stats["running"], waiting=stats["waiting"],
+            kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
+            prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
+            tokens_per_s=(tokens - tokens_then) / max(now - then, 1e-6),
+            block_size=self.engine.engine.args.block_size, timestamp=time.time())
+
+    async def _heartbeat_once(self) -> None:
+        hb = self.heartbeat()
+        self.metrics.update_engine(self.engine.engine.stats())
+        await self.bus.publish(protocol.heartbeat(self.cfg.replica_id), hb)
+        fields = {k: v for k, v in hb.to_dict().items()}
+        fields.update(http_url=self.http_url, host=socket.gethostname(), pid=os.getpid())
+        await registry.refresh(self.redis, self.cfg.replica_id, self.cfg.deployment, fields, self.cfg.lease_ttl)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            try:
+                await self._heartbeat_once()
+            except Exception as exc:  # NATS or Redis away: keep trying, the lease tells the truth
+                log.warning("heartbeat failed", error=str(exc))
+
+    # ---- http -------------------------------------------------------------------------------
+    async def _http_metrics(self, _request: web.Request) -> web.Response:
+        self.metrics.update_engine(self.engine.engine.stats())
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _http_health(self, _request: web.Request) -> web.Response:
+        body = {"state": self.state, "replica_id": self.cfg.replica_id, "deployment": self.cfg.deployment}
+        return web.json_response(body, status=200 if self.state == "ready" else 503)

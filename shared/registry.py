@@ -1,0 +1,44 @@
+"""The replica registry in Redis: each engine's entry lives as long as its lease is refreshed."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared import keys
+
+
+async def refresh(redis: aioredis.Redis, replica_id: str, model: str, fields: dict, ttl: float) -> None:
+    """Write (or refresh) a replica's entry with a TTL lease, and list it under its model."""
+    key = keys.replica(replica_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})
+        pipe.pexpire(key, int(ttl * 1000))
+        pipe.sadd(keys.model_replicas(model), replica_id)
+        await pipe.execute()
+
+
+async def remove(redis: aioredis.Redis, replica_id: str, model: str) -> None:
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.replica(replica_id))
+        pipe.srem(keys.model_replicas(model), replica_id)
+        await pipe.execute()
+
+
+async def live_replicas(redis: aioredis.Redis, model: str) -> dict[str, dict[str, str]]:
+    """Replicas of a model whose lease is alive, with their fields; prunes expired members."""
+    members = [m.decode() for m in await redis.smembers(keys.model_replicas(model))]
+    if not members:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for m in members:
+            pipe.hgetall(keys.replica(m))
+        entries = await pipe.execute()
+    live, dead = {}, []
+    for m, entry in zip(members, entries):
+        if entry:
+            live[m] = {k.decode(): v.decode() for k, v in entry.items()}
+        else:
+            dead.append(m)
+    if dead:
+        await redis.srem(keys.model_replicas(model), *dead)
+    return live

@@ -1,0 +1,117 @@
+"""Compile every Triton kernel for a GPU target without a GPU (ahead of time).
+
+The interpreter runs kernels as numpy code, so it cannot see errors that only the
+compiler raises (loop-carried type changes, tl.dot shape limits, value
+specialization of int arguments equal to 1, shared-memory overflow). This script
+compiles one realistic variant of each kernel for sm_90 through Triton's own
+compiler and ptxas, which ship with the CPU wheel. Run in a process where
+TRITON_INTERPRET is unset (the test does so); prints one line per kernel and exits
+non-zero if any failed.
+
+    python tests/kernels/aot_compile_check.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import kernels.activation as ACT  # noqa: E402
+import kernels.attention as A  # noqa: E402
+import kernels.norm as N  # noqa: E402
+import kernels.rotary as R  # noqa: E402
+
+# Sizes the GPU launchers use (kernels.attention._DECODE_BLOCK_N / _PREFILL_BLOCKS).
+DECODE_BLOCK_N = A._DECODE_BLOCK_N["cuda"]
+PREFILL_BLOCK_M, PREFILL_BLOCK_N = A._PREFILL_BLOCKS["cuda"]
+MAX_SHARED = 227 * 1024  # H100/H200 per-block opt-in limit
+
+
+def compile_kernel(kern, types, consts, arch, num_warps=4, num_stages=2):
+    sig, cdict = {}, {}
+    for i, name in enumerate(kern.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            cdict[(i,)] = consts[name]
+        else:
+            sig[name] = types[name]
+    src = ASTSource(kern, sig, cdict)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def variants():
+    i32 = "i32"
+    for dt, fp32 in (("bf16", False), ("fp32", True)):
+        p = "*" + dt
+        attn = dict(k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", context_lens_ptr="*i32",
+                    scale_log2="fp32", stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, head_dim=i32)
+        for direct in (True, False):
+            consts = dict(GROUP=4, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=DECODE_BLOCK_N, BLOCK_D=128,
+                          DIRECT=direct, DOT_FP32=fp32)
+            if direct:
+                consts["num_splits"] = 1  # what Triton's value specialization of 1 produces
+            yield (f"decode_split {dt} direct={direct}", A._decode_split_kernel,
+                   dict(attn, q_ptr=p, out_ptr=p, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                        num_splits=i32, stride_qb=i32, stride_qh=i32, stride_ob=i32, stride_oh=i32), consts)
+        yield (f"prefill {dt} num_seqs=1", A._prefill_kernel,
+               dict(attn, q_ptr=p, out_ptr=p, query_start_loc_ptr="*i32", num_seqs=i32,
+                    stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32),
+               dict(GROUP=4, PAGE_SIZE=16, BLOCK_Q=PREFILL_BLOCK_M // 4, BLOCK_G=4, BLOCK_M=PREFILL_BLOCK_M,
+                    BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=128, DOT_FP32=fp32, num_seqs=1))
+    p = "*bf16"
+    yield ("prefill bf16 group=8", A._prefill_kernel,
+           dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
+                context_lens_ptr="*i32", out_ptr=p, scale_log2="fp32", num_seqs=i32, stride_qt=i32, stride_qh=i32,
+                stride_ot=i32, stride_oh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32,
+                head_dim=i32),
+           dict(GROUP=8, PAGE_SIZE=16, BLOCK_Q=PREFILL_BLOCK_M // 8, BLOCK_G=8, BLOCK_M=PREFILL_BLOCK_M,
+                BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=64, DOT_FP32=False))
+    yield ("decode_merge bf16", A._decode_merge_kernel,
+           dict(out_ptr=p, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", num_splits=i32,
+                stride_ob=i32, stride_oh=i32, head_dim=i32), dict(BLOCK_S=32, BLOCK_D=128))
+    yield ("store_kv_cache bf16", A._store_kv_cache_kernel,
+           dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64", stride_kt=i32,
+                stride_kh=i32, stride_vt=i32, stride_vh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32,
+                num_heads=i32, head_dim=i32), dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128))
+    yield ("rms_norm bf16 residual", N._rms_norm_kernel,
+           dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, res_out_ptr=p, stride_x=i32, stride_r=i32, stride_o=i32,
+                stride_ro=i32, hidden=i32, eps="fp32"), dict(HAS_RES=True, BLOCK=4096))
+    yield ("rotary bf16", R._rotary_kernel,
+           dict(pos_ptr="*i64", q_ptr=p, k_ptr=p, cs_ptr="*fp32", qo_ptr=p, ko_ptr=p, stride_qt=i32, stride_qh=i32,
+                stride_kt=i32, stride_kh=i32, stride_qot=i32, stride_qoh=i32, stride_kot=i32, stride_koh=i32,
+                stride_cs=i32, num_q_heads=i32, num_k_heads=i32, half=i32),
+           dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64))
+    yield ("silu_and_mul bf16", ACT._silu_and_mul_kernel,
+           dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, d=i32), dict(BLOCK=1024))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args(argv)
+    failed = 0
+    for name, kern, types, consts in variants():
+        try:
+            compiled = compile_kernel(kern, types, consts, args.arch)
+            shared = compiled.metadata.shared
+            status = "ok" if shared <= MAX_SHARED else f"FAIL shared memory {shared} B > {MAX_SHARED}"
+        except Exception as exc:  # report every kernel, not just the first failure
+            status = f"FAIL {type(exc).__name__}: {exc}"
+        failed += not status.startswith("ok")
+        print(f"sm_{args.arch} {name}: {status}", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
