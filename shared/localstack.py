@@ -162,3 +162,133 @@ class LocalInfra:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass
+class LocalStack:
+    """The whole stack on this machine: infrastructure, engine workers, scheduler(s), gateway.
+
+    Each service is its own process, started exactly as in production (`python -m services.X`).
+    `strata up` runs one; the end-to-end tests run another.
+    """
+
+    model_dir: str
+    engines: int = 1
+    schedulers: int = 1
+    port: int = 0
+    nats_url: str = ""
+    redis_url: str = ""
+    engine_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    api_key: str = ""
+    log_dir: Path | None = None
+    deployment: str = ""
+    infra: LocalInfra | None = None
+    services: dict[str, subprocess.Popen] = field(default_factory=dict)
+    base_url: str = ""
+
+    def start(self, timeout: float = 120.0) -> "LocalStack":
+        from shared.protocol import served_model_name
+
+        self.infra = LocalInfra(nats_url=self.nats_url, redis_url=self.redis_url).start()
+        self.log_dir = Path(self.log_dir or self.infra.workdir or tempfile.mkdtemp(prefix="strata-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.deployment = self.deployment or served_model_name(self.model_dir)
+        self.port = self.port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        common = ["--nats-url", self.infra.nats_url, "--redis-url", self.infra.redis_url, "--log-format", "json"]
+        try:
+            for i in range(self.engines):
+                self.start_engine(f"engine-{i}")
+            for i in range(self.schedulers):
+                self._spawn(f"scheduler-{i}", ["services.scheduler", "--scheduler-id", f"scheduler-{i}", *common])
+            self._spawn("gateway", ["services.gateway", "--model", self.model_dir, "--port", str(self.port),
+                                    "--gateway-id", "gateway-0", *self.gateway_args, *common])
+            self.api_key = self._ensure_key()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_engine(self, replica_id: str, *extra: str) -> subprocess.Popen:
+        return self._spawn(replica_id, ["services.engine", "--model", self.model_dir, "--replica-id", replica_id,
+                                        "--deployment", self.deployment, "--nats-url", self.infra.nats_url,
+                                        "--redis-url", self.infra.redis_url, "--log-format", "json",
+                                        *self.engine_args, *extra])
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log_file = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT)
+        self.services[name] = proc
+        return proc
+
+    def _ensure_key(self) -> str:
+        import asyncio
+
+        from services.gateway.auth import create_key
+        from shared.store import connect_redis
+
+        async def create() -> str:
+            redis = connect_redis(self.infra.redis_url)
+            try:
+                return await create_key(redis, "local-dev", admin=True, api_key=self.api_key or None)
+            finally:
+                await redis.aclose()
+
+        return asyncio.run(create())
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until the gateway answers and every engine is registered as ready."""
+        import urllib.request
+
+        import redis as sync_redis
+
+        from shared import keys
+
+        deadline = time.monotonic() + timeout
+        client = sync_redis.Redis.from_url(self.infra.redis_url)
+        try:
+            while time.monotonic() < deadline:
+                for name, proc in self.services.items():
+                    if proc.poll() is not None:
+                        log_text = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_text}")
+                engines = [n for n in self.services if n.startswith("engine-")]
+                ready = all(client.hget(keys.replica(n), "state") == b"ready" for n in engines)
+                try:
+                    with urllib.request.urlopen(self.base_url + "/health", timeout=1) as resp:
+                        gateway_ok = resp.status == 200
+                except OSError:
+                    gateway_ok = False
+                if ready and gateway_ok:
+                    return
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise TimeoutError(f"stack not ready after {timeout}s (logs in {self.log_dir})")
+
+    def stop_service(self, name: str, timeout: float = 30.0) -> int | None:
+        proc = self.services.pop(name, None)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        return proc.returncode
+
+    def stop(self) -> None:
+        for name in [n for n in self.services if n == "gateway"] + [n for n in self.services if n != "gateway"]:
+            self.stop_service(name)
+        if self.infra is not None:
+            self.infra.stop()
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

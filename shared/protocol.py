@@ -38,6 +38,14 @@ def _token(name: str) -> str:
     return name
 
 
+def served_model_name(model_dir: str) -> str:
+    """The default served name of a model directory: its name, made subject-safe."""
+    import re
+    from pathlib import Path
+
+    return re.sub(r"[^A-Za-z0-9_-]", "_", Path(model_dir).resolve().name) or "model"
+
+
 def engine_generate(replica_id: str) -> str:
     """scheduler -> one engine replica."""
     return f"{PREFIX}.engine.{_token(replica_id)}.generate"

@@ -42,3 +42,14 @@ async def live_replicas(redis: aioredis.Redis, model: str) -> dict[str, dict[str
     if dead:
         await redis.srem(keys.model_replicas(model), *dead)
     return live
+
+
+async def models(redis: aioredis.Redis) -> list[str]:
+    """Models that have (or had) registered replicas."""
+    pattern = keys.model_replicas("*")
+    prefix, suffix = pattern.split("*")
+    found = []
+    async for key in redis.scan_iter(match=pattern, count=500):
+        name = key.decode()
+        found.append(name[len(prefix):len(name) - len(suffix)])
+    return found

@@ -1,28 +1,40 @@
-"""`strata up` brings up the local infrastructure and stops cleanly on Ctrl-C."""
+"""`strata up` brings the whole stack up, serves a request, and stops cleanly on Ctrl-C."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 
-def test_strata_up_starts_and_stops(tmp_path, tiny_model_dir):
+def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
     env = dict(os.environ, STRATA_HOME=str(tmp_path), STRATA_MODEL=str(tiny_model_dir))
-    proc = subprocess.Popen([sys.executable, "-m", "services.control.cli", "up"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env.pop("STRATA_NATS_URL", None)
+    env.pop("STRATA_REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.control.cli", "up", "--port", "0",
+                             "--engines", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
+        lines = {}
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
-            lines.append(line)
-            if line.strip().startswith("redis:") or not line:
+            if not line:
                 break
-        out = "".join(lines)
-        assert "nats:  nats://127.0.0.1:" in out and "redis: redis://127.0.0.1:" in out, out
+            if ":" in line:
+                k, _, v = line.strip().partition(":")
+                lines[k.strip()] = v.strip()
+            if line.startswith("Ctrl-C"):
+                break
+        assert "base url" in lines and lines["api key"].startswith("sk-strata-"), (lines, proc.stderr.read())
+        request = urllib.request.Request(lines["base url"] + "/models",
+                                         headers={"Authorization": f"Bearer {lines['api key']}"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert json.load(resp)["data"][0]["id"] == "tiny-llama"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -21,7 +21,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.localstack import LocalInfra
+    from shared.localstack import LocalStack
     from shared.logging import configure_logging
     from shared.tiny_model import ensure_tiny_model
 
@@ -31,11 +31,43 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with LocalInfra(nats_url=settings.nats_url, redis_url=settings.redis_url) as infra:
-        print(f"strata is up\n  nats:  {infra.nats_url}\n  redis: {infra.redis_url}\n  model: {model_dir}",
-              flush=True)
+    stack = LocalStack(model_dir, engines=args.engines, port=args.port, nats_url=settings.nats_url,
+                       redis_url=settings.redis_url, api_key=settings.api_key,
+                       log_dir=settings.home / "logs")
+    with stack:
+        print(f"strata is up\n"
+              f"  base url: {stack.base_url}/v1\n"
+              f"  api key:  {stack.api_key}\n"
+              f"  model:    {stack.deployment} ({model_dir})\n"
+              f"  engines:  {args.engines}\n"
+              f"  nats:     {stack.infra.nats_url}\n"
+              f"  redis:    {stack.infra.redis_url}\n"
+              f"  logs:     {stack.log_dir}\n"
+              f"Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.gateway.auth import create_key
+    from shared.store import connect_redis
+
+    settings = Settings.from_args(args)
+    if not settings.redis_url:
+        print("--redis-url (or STRATA_REDIS_URL) is required", file=sys.stderr)
+        return 2
+
+    async def create() -> str:
+        redis = connect_redis(settings.redis_url)
+        try:
+            return await create_key(redis, args.name, rpm=args.rpm, tpm=args.tpm, priority=args.priority)
+        finally:
+            await redis.aclose()
+
+    print(asyncio.run(create()))
     return 0
 
 
@@ -56,8 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("up", help="run the whole stack on this machine (no Docker)")
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000)
     Settings.add_arguments(p)
     p.set_defaults(func=cmd_up)
+
+    keys_parser = sub.add_parser("keys", help="manage API keys")
+    keys_sub = keys_parser.add_subparsers(dest="keys_command", required=True)
+    p = keys_sub.add_parser("create", help="create an API key and print it (only its hash is stored)")
+    p.add_argument("--name", required=True, help="tenant name")
+    p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: unlimited)")
+    p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: unlimited)")
+    p.add_argument("--priority", default="standard", choices=["critical", "standard", "sheddable"])
+    Settings.add_arguments(p)
+    p.set_defaults(func=cmd_keys_create)
     return parser
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import socket
 import sys
-from pathlib import Path
 
 from services.engine.service import EngineWorker, WorkerConfig
+from shared import protocol
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -39,11 +38,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def served_name(model_dir: str) -> str:
-    """A NATS-subject-safe name for the model directory."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", Path(model_dir).resolve().name) or "model"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = Settings.from_args(args)
@@ -60,7 +54,7 @@ def main(argv=None) -> int:
                        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                        attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay)
     cfg = WorkerConfig(model_dir=settings.model, replica_id=args.replica_id,
-                       deployment=args.deployment or served_name(settings.model),
+                       deployment=args.deployment or protocol.served_model_name(settings.model),
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,
                        http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
                        drain_timeout=args.drain_timeout, engine_args=engine_args)

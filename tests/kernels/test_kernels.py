@@ -1,7 +1,8 @@
 """Triton kernels vs their plain-torch references (and vs transformers where relevant).
 
-CPU (default): kernels run under the Triton interpreter, so shapes are small.
-``STRATA_KERNEL_DEVICE=cuda pytest tests/kernels`` runs the same tests compiled on a GPU.
+Device: ``STRATA_KERNEL_DEVICE`` (``cpu`` or ``cuda``; conftest.py defaults it to
+``cuda`` when available). On CPU the kernels run under the Triton interpreter, so
+shapes are small; on CUDA the same tests run compiled, without the interpreter.
 """
 
 import os

@@ -1,0 +1,98 @@
+"""API keys (stored hashed in Redis) and per-key rate limits shared by every gateway replica."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared import keys
+
+KEY_PREFIX = "sk-strata-"
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass
+class ApiKey:
+    key_hash: str
+    tenant: str
+    rpm: int  # requests per minute, 0 = unlimited
+    tpm: int  # tokens (prompt + max_tokens) per minute, 0 = unlimited
+    priority: str = "standard"
+    admin: bool = False
+
+
+async def create_key(redis: aioredis.Redis, name: str, rpm: int = 0, tpm: int = 0, priority: str = "standard",
+                     admin: bool = False, api_key: str | None = None) -> str:
+    """Store a key (a new random one unless given) and return it; only its hash is kept."""
+    api_key = api_key or KEY_PREFIX + secrets.token_urlsafe(24)
+    await redis.hset(keys.api_key(hash_key(api_key)), mapping={
+        "tenant": name, "rpm": rpm, "tpm": tpm, "priority": priority, "admin": int(admin),
+        "created": int(time.time())})
+    return api_key
+
+
+class KeyStore:
+    """Looks keys up in Redis with a short local cache, and enforces the per-minute limits."""
+
+    def __init__(self, redis: aioredis.Redis, cache_ttl: float = 10.0):
+        self.redis = redis
+        self.cache_ttl = cache_ttl
+        self._cache: dict[str, tuple[ApiKey | None, float]] = {}
+
+    async def lookup(self, api_key: str) -> ApiKey | None:
+        h = hash_key(api_key)
+        hit = self._cache.get(h)
+        now = time.monotonic()
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        try:
+            raw = await self.redis.hgetall(keys.api_key(h))
+        except Exception:
+            if hit is not None:  # Redis away: trust what we knew a moment ago
+                return hit[0]
+            raise
+        record = None
+        if raw:
+            f = {k.decode(): v.decode() for k, v in raw.items()}
+            record = ApiKey(h, f["tenant"], int(f.get("rpm", 0)), int(f.get("tpm", 0)),
+                            f.get("priority", "standard"), f.get("admin", "0") == "1")
+        self._cache[h] = (record, now + self.cache_ttl)
+        return record
+
+    async def charge(self, key: ApiKey, tokens: int) -> tuple[str, float] | None:
+        """Count one request and `tokens` against this minute's window. Returns (what, seconds
+        to wait) when over a limit (and takes the charge back), None when allowed."""
+        if not key.rpm and not key.tpm:
+            return None
+        now = time.time()
+        window = int(now // 60)
+        retry_after = 60 - (now % 60)
+        req_key = keys.rate_counter(key.key_hash, "requests", window)
+        tok_key = keys.rate_counter(key.key_hash, "tokens", window)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.incr(req_key).expire(req_key, 120).incrby(tok_key, tokens).expire(tok_key, 120)
+                requests, _, used, _ = await pipe.execute()
+        except Exception:
+            return None  # Redis away: fail open rather than refuse everyone
+        over = None
+        if key.rpm and requests > key.rpm:
+            over = "requests"
+        elif key.tpm and used > key.tpm:
+            over = "tokens"
+        if over is None:
+            return None
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.decr(req_key).decrby(tok_key, tokens)
+                await pipe.execute()
+        except Exception:
+            pass
+        return over, retry_after

@@ -1,0 +1,256 @@
+"""OpenAI request validation and response shapes: pure functions, no I/O."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol import SamplingSpec, TokenChunk
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+# Status for each engine / scheduler error code that reaches the gateway.
+ERROR_STATUS = {"bad_request": 400, "not_found": 404, "overloaded": 503, "unavailable": 503,
+                "deadline_exceeded": 504, "cancelled": 499, "internal": 500}
+
+
+def from_engine_error(code: str, message: str) -> ApiError:
+    status = ERROR_STATUS.get(code, 500)
+    type_ = {400: "invalid_request_error", 404: "invalid_request_error", 503: "overloaded_error",
+             504: "timeout_error"}.get(status, "server_error")
+    return ApiError(status, message, type_, None, code, retry_after=1.0 if status == 503 else None)
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt_text: str | None  # completions with a text prompt, or the rendered chat template
+    prompt_token_ids: list[int] | None
+    sampling: SamplingSpec
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-n to return (None: no logprobs)
+    extra: dict = field(default_factory=dict)
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise bad(f"'{name}' must be <= {hi}, got {value}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise bad("'stop' must be a non-empty string or a list of at most 16 of them", "stop")
+    return stop
+
+
+def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingSpec:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = max_tokens_default
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad(f"'{param}' must be an integer >= 1", param)
+    top_k = _number(body, "top_k", -1, integer=True)
+    if top_k == 0 or top_k < -1:
+        raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad("'seed' must be an integer", "seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
+        top_k=top_k,
+        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        seed=seed,
+        stop=_stop(body),
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
+    )
+
+
+def _common(body: Any) -> tuple[str, bool, bool]:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required", "model")
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise bad("only n=1 is supported", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    if options and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return model, stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    model, stream, include_usage = _common(body)
+    prompt = body.get("prompt")
+    text, ids = None, None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("batched prompts are not supported: send one prompt per request", "prompt")
+    else:
+        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    if body.get("echo"):
+        raise bad("'echo' is not supported", "echo")
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported", "suffix")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+
+
+def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
+    model, stream, include_usage = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}] must have a role of system, developer, user, assistant or tool", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    elif body.get("top_logprobs") is not None:
+        raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
+    parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
+    return parsed, clean
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def usage_dict(chunk: TokenChunk) -> dict:
+    u = chunk.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def logprobs_completion(chunks: list[TokenChunk], decode) -> dict | None:
+    entries = [lp for c in chunks for lp in (c.logprobs or [])]
+    if not entries:
+        return None
+    return {"tokens": [decode(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): v for t, v in e.top.items()} for e in entries],
+            "text_offset": []}
+
+
+def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
+    entries = [lp for c in chunks for lp in (c.logprobs or [])]
+    if not entries:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for e in entries:
+        top = sorted(e.top.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in top]})
+    return {"content": content}
+
+
+def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                    logprobs: dict | None, usage: dict | None, chunk: bool) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if usage is not None or not chunk:
+        body["usage"] = usage
+    return body
+
+
+def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+              logprobs: dict | None, usage: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage}
+
+
+def now() -> int:
+    return int(time.time())

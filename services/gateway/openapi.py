@@ -1,0 +1,105 @@
+"""The OpenAPI 3.1 description of the gateway's HTTP API, served at /openapi.json."""
+
+from __future__ import annotations
+
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1, "description": "-1 = off (extension)"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": {"type": "integer"},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+    "ignore_eos": {"type": "boolean"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    "n": {"type": "integer", "enum": [1]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"},
+}
+
+_USAGE = {"type": "object", "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+
+
+def _errors(*statuses: int) -> dict:
+    descriptions = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model",
+                    413: "Request body too large", 429: "Rate limited (see retry-after)",
+                    503: "Overloaded or no replica (see retry-after)", 504: "Timed out"}
+    return {str(s): {"description": descriptions[s],
+                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            for s in statuses}
+
+
+def openapi_spec(server_url: str = "") -> dict:
+    generation_errors = _errors(400, 401, 404, 413, 429, 503, 504)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Strata gateway", "version": "1", "description": "OpenAI-compatible inference API."},
+        "servers": [{"url": server_url}] if server_url else [],
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/models": {"get": {"operationId": "listModels", "responses": {
+                "200": {"description": "Served models", "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"}}}}}},
+                **_errors(401)}}},
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "$ref": "#/components/schemas/CompletionRequest"}}}},
+                "responses": {"200": {"description": "A completion, or an SSE stream when stream is true",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              **generation_errors}}},
+            "/v1/chat/completions": {"post": {
+                "operationId": "createChatCompletion",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+                "responses": {"200": {"description": "A chat completion, or an SSE stream when stream is true",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              **generation_errors}}},
+            "/health": {"get": {"operationId": "health", "security": [],
+                                "responses": {"200": {"description": "Healthy"}, "503": {"description": "Degraded"}}}},
+            "/metrics": {"get": {"operationId": "metrics", "security": [],
+                                 "responses": {"200": {"description": "Prometheus metrics"}}}},
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": _ERROR,
+                "Usage": _USAGE,
+                "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+                    "model": {"type": "string"},
+                    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                                         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+                    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                    **_SAMPLING}},
+                "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+                    "model": {"type": "string"},
+                    "messages": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "required": ["role", "content"], "properties": {
+                            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                                "type": "object", "required": ["type", "text"],
+                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
+                    "max_completion_tokens": {"type": "integer", "minimum": 1},
+                    "logprobs": {"type": "boolean"},
+                    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                    **_SAMPLING}},
+            },
+        },
+    }

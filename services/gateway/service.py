@@ -1,0 +1,386 @@
+"""The gateway: OpenAI-compatible HTTP + SSE in front of the bus.
+
+A request is authenticated and rate limited (Redis, shared by all gateway replicas), tokenized
+(chat template included), and published to the schedulers; its token stream arrives on this
+gateway's inbox straight from the engine. Errors before the first byte carry their HTTP status;
+after it, an in-band `data: {"error": ...}` event ends the stream. A client that goes away
+cancels its request down to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.gateway import openai_api as oa
+from services.gateway.auth import ApiKey, KeyStore
+from services.gateway.openai_api import ApiError, ParsedRequest
+from services.gateway.openapi import openapi_spec
+from shared import protocol
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.protocol import Cancel, GenerateAck, GenerateRequest, TokenChunk
+from shared.store import connect_redis
+
+log = get_logger()
+
+
+@dataclass
+class GatewayConfig:
+    nats_url: str
+    redis_url: str
+    models: list[str]  # model directories; served under their directory names unless named
+    served_names: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str = "gateway"
+    require_auth: bool = True
+    request_timeout: float = 600.0  # default deadline; header Strata-Timeout (seconds) overrides
+    scheduler_ack_timeout: float = 2.0
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: Path
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def load_served_model(name: str, path: str) -> ServedModel:
+    from transformers import AutoTokenizer
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return ServedModel(name, Path(path), tokenizer, int(config.get("max_position_embeddings", 2048)),
+                       int(config["vocab_size"]), int(time.time()))
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("strata:gateway_requests", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("strata:gateway_time_to_first_token_seconds", "HTTP arrival to the first token.",
+                              ["model_name"], registry=r)
+        self.e2e = Histogram("strata:gateway_e2e_request_latency_seconds", "HTTP arrival to the final token.",
+                             ["model_name"], registry=r)
+        self.active = Gauge("strata:gateway_active_requests", "Requests being served.", registry=r)
+        self.cancels = Counter("strata:gateway_client_disconnects", "Requests cancelled by the client leaving.",
+                               registry=r)
+
+
+class GatewayService:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.models: dict[str, ServedModel] = {}
+        self.metrics = GatewayMetrics()
+        self.bus: Bus | None = None
+        self.redis = None
+        self.keys: KeyStore | None = None
+        self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
+        self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        structlog.contextvars.bind_contextvars(gateway_id=self.cfg.gateway_id)
+        loop = asyncio.get_running_loop()
+        names = self.cfg.served_names or [protocol.served_model_name(p) for p in self.cfg.models]
+        for name, path in zip(names, self.cfg.models):
+            self.models[name] = await loop.run_in_executor(None, load_served_model, name, path)
+        self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}")
+        self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
+        self.keys = KeyStore(self.redis)
+        await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.cfg.host}:{port}"
+        log.info("gateway ready", url=self.url, models=list(self.models))
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.bus.close()
+        await self.redis.aclose()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_middleware], client_max_size=4 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    async def _on_chunk(self, msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[1]
+        queue = self._streams.get(rid)
+        if queue is None:
+            return  # a late chunk of a request already ended
+        try:
+            queue.put_nowait(protocol.decode(TokenChunk, msg.data))
+        except protocol.ProtocolError as exc:
+            log.warning("malformed chunk", request_id=rid, error=str(exc))
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        endpoint = request.path
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = error_response(exc)
+        except web.HTTPException as exc:  # routing errors, body too large, ...
+            if exc.status < 400:
+                raise
+            response = error_response(ApiError(exc.status, exc.reason or "error",
+                                               "invalid_request_error", None, None))
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(endpoint, "499").inc()
+            raise
+        except Exception:
+            log.exception("unhandled error", path=endpoint)
+            response = error_response(ApiError(500, "internal error", "server_error"))
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    async def _authenticate(self, request: web.Request) -> ApiKey:
+        if not self.cfg.require_auth:
+            return ApiKey("", "anonymous", 0, 0)
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                           None, "invalid_api_key")
+        try:
+            key = await self.keys.lookup(header[7:].strip())
+        except Exception:
+            raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
+                           retry_after=1.0) from None
+        if key is None:
+            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
+        return key
+
+    # ---- simple routes ----------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        connected = self.bus is not None and self.bus.nc.is_connected
+        return web.json_response({"status": "ok" if connected else "degraded", "models": list(self.models)},
+                                 status=200 if connected else 503)
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response(openapi_spec(self.url))
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": "strata",
+             "max_model_len": m.max_model_len} for m in self.models.values()]})
+
+    # ---- generation -------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        key = await self._authenticate(request)
+        parsed = oa.parse_completion(await read_json(request))
+        model = self._model(parsed.model)
+        if parsed.prompt_token_ids is not None:
+            ids = parsed.prompt_token_ids
+            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+            if bad is not None:
+                raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+        else:
+            ids = model.tokenizer.encode(parsed.prompt_text)
+        return await self._serve(request, key, parsed, model, ids)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        key = await self._authenticate(request)
+        parsed, messages = oa.parse_chat(await read_json(request))
+        model = self._model(parsed.model)
+        try:
+            text = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        if parsed.extra.get("max_tokens_unset"):
+            parsed.sampling.max_tokens = max(model.max_model_len - len(ids), 1)
+        return await self._serve(request, key, parsed, model, ids)
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise ApiError(404, f"the model '{name}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return model
+
+    async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
+                     ids: list[int]) -> web.StreamResponse:
+        arrival = time.time()
+        if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
+            raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                         f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
+                         f"{parsed.sampling.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
+                         "context_length_exceeded")
+        over = await self.keys.charge(key, len(ids) + parsed.sampling.max_tokens) if self.cfg.require_auth else None
+        if over is not None:
+            what, retry_after = over
+            raise ApiError(429, f"rate limit reached for {what} per minute", "rate_limit_error", None,
+                           "rate_limit_exceeded", retry_after=retry_after)
+        timeout = self.cfg.request_timeout
+        if "Strata-Timeout" in request.headers:
+            try:
+                timeout = float(request.headers["Strata-Timeout"])
+                assert 0 < timeout <= 86400
+            except (ValueError, AssertionError):
+                raise oa.bad("header Strata-Timeout must be a number of seconds in (0, 86400]") from None
+        rid = uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
+                              prompt_token_ids=ids, sampling=parsed.sampling, deadline=arrival + timeout,
+                              tenant=key.tenant, priority=key.priority,
+                              timestamps={"gateway_received": arrival})
+        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._streams[rid] = queue
+        self.metrics.active.inc()
+        finished = False
+        try:
+            await self._submit(gen)
+            first = await self._next(queue, gen)
+            if first.error is not None:
+                finished = True
+                raise oa.from_engine_error(first.error.code, first.error.message)
+            self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
+            if parsed.stream:
+                response = await self._stream(request, parsed, model, gen, first, queue, arrival)
+            else:
+                response = await self._collect(parsed, model, gen, first, queue, arrival)
+            finished = True
+            return response
+        finally:
+            self.metrics.active.dec()
+            self._streams.pop(rid, None)
+            if not finished:  # the client left, or something broke: free the engine's blocks now
+                self.metrics.cancels.inc()
+                await asyncio.shield(self._cancel(gen))
+
+    async def _submit(self, gen: GenerateRequest) -> None:
+        try:
+            reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout)
+        except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError):
+            raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
+                           retry_after=1.0) from None
+        ack = protocol.decode(GenerateAck, reply.data)
+        if not ack.accepted:
+            raise oa.from_engine_error(ack.error.code, ack.error.message)
+
+    async def _next(self, queue: asyncio.Queue, gen: GenerateRequest) -> TokenChunk:
+        remaining = gen.deadline - time.time() + 2.0  # the engine ends it at the deadline; allow transit
+        try:
+            return await asyncio.wait_for(queue.get(), max(remaining, 0.1))
+        except asyncio.TimeoutError:
+            raise ApiError(504, "timed out waiting for tokens", "timeout_error", None, "deadline_exceeded") from None
+
+    async def _cancel(self, gen: GenerateRequest) -> None:
+        try:
+            await self.bus.publish(protocol.CANCEL, Cancel(request_id=gen.request_id, tenant=gen.tenant))
+        except Exception as exc:
+            log.warning("cancel publish failed", error=str(exc))
+
+    async def _chunks(self, first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
+        chunk = first
+        while True:
+            yield chunk
+            if chunk.is_final:
+                return
+            chunk = await self._next(queue, gen)
+
+    async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
+                       queue: asyncio.Queue, arrival: float) -> web.Response:
+        chunks = []
+        async for chunk in self._chunks(first, queue, gen):
+            if chunk.error is not None:
+                raise oa.from_engine_error(chunk.error.code, chunk.error.message)
+            chunks.append(chunk)
+        final = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        usage = oa.usage_dict(final)
+        created = oa.now()
+        if parsed.chat:
+            body = oa.chat_body(f"chatcmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
+                                oa.logprobs_chat(chunks, model.decode_token, parsed.logprobs or 0), usage)
+        else:
+            body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
+                                      oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
+        self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
+        return web.json_response(body, headers={"x-request-id": gen.request_id})
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
+                      first: TokenChunk, queue: asyncio.Queue, arrival: float) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "x-request-id": gen.request_id})
+        await response.prepare(request)
+        created = oa.now()
+        rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{gen.request_id}"
+        usage_null = {"usage": None} if parsed.include_usage else {}
+
+        async def send(obj: dict) -> None:
+            await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+        if parsed.chat:
+            await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
+                        **usage_null})
+        async for chunk in self._chunks(first, queue, gen):
+            if chunk.error is not None:  # after the first byte: in band, and the stream ends
+                await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
+                await response.write_eof()
+                return response
+            if parsed.chat:
+                logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
+                delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
+                await send({**oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason, logprobs),
+                            **usage_null})
+            else:
+                logprobs = oa.logprobs_completion([chunk], model.decode_token)
+                await send({**oa.completion_body(rid, model.name, created, chunk.text, chunk.finish_reason,
+                                                  logprobs, None, chunk=True), **usage_null})
+            if chunk.is_final and parsed.include_usage:
+                await send(oa.usage_chunk(rid, model.name, created, parsed.chat, oa.usage_dict(chunk)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
+        return response
+
+
+async def read_json(request: web.Request):
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise oa.bad("the request body is not valid JSON") from None
+
+
+def error_response(exc: ApiError) -> web.Response:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(int(exc.retry_after + 0.999), 1))
+    return web.json_response(exc.body(), status=exc.status, headers=headers)

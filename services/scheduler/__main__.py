@@ -1,0 +1,44 @@
+"""python -m services.scheduler [--scheduler-id ID] --nats-url URL --redis-url URL"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+from services.scheduler.service import SchedulerConfig, SchedulerService
+from shared.logging import configure_logging
+from shared.settings import Settings
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.scheduler", description="Strata scheduler")
+    p.add_argument("--scheduler-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--ack-timeout", type=float, default=2.0)
+    Settings.add_arguments(p)
+    args = p.parse_args(argv)
+    settings = Settings.from_args(args)
+    configure_logging("scheduler", settings.log_format, settings.log_level)
+    if not settings.nats_url or not settings.redis_url:
+        print("--nats-url and --redis-url are required", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        service = SchedulerService(SchedulerConfig(settings.nats_url, settings.redis_url, args.scheduler_id,
+                                                   ack_timeout=args.ack_timeout))
+        await service.start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await service.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The scheduler's live view of engine replicas: heartbeats for load, the registry for leases."""
+
+from __future__ import annotations
+
+import time
+
+from services.scheduler.policy import ReplicaState
+from shared.protocol import Heartbeat
+
+
+class ReplicaView:
+    def __init__(self, stale_after: float = 5.0, avoid_for: float = 5.0):
+        self.stale_after = stale_after
+        self.avoid_for = avoid_for
+        self.replicas: dict[str, dict[str, ReplicaState]] = {}  # model -> replica id -> state
+        self._avoid_until: dict[str, float] = {}
+
+    def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        per_model = self.replicas.setdefault(hb.model, {})
+        r = per_model.get(hb.replica_id) or ReplicaState(hb.replica_id)
+        r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
+        r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
+        r.inflight, r.last_seen = 0, now
+        per_model[hb.replica_id] = r
+
+    def sync_registry(self, model: str, live: dict[str, dict[str, str]], now: float | None = None) -> None:
+        """Align with the registry: forget replicas whose lease is gone (killed, partitioned,
+        deregistered); learn live ones not heard from yet (this scheduler just started)."""
+        now = time.monotonic() if now is None else now
+        per_model = self.replicas.setdefault(model, {})
+        for rid in list(per_model):
+            if rid not in live:
+                del per_model[rid]
+        for rid, fields in live.items():
+            if rid not in per_model:
+                per_model[rid] = ReplicaState(
+                    rid, state=fields.get("state", "starting"), running=int(fields.get("running", 0)),
+                    waiting=int(fields.get("waiting", 0)), kv_blocks_used=int(fields.get("kv_blocks_used", 0)),
+                    kv_blocks_total=int(fields.get("kv_blocks_total", 1)), last_seen=now)
+
+    def avoid(self, replica_id: str, now: float | None = None) -> None:
+        """Keep a replica that just failed out of routing for a while."""
+        self._avoid_until[replica_id] = (time.monotonic() if now is None else now) + self.avoid_for
+
+    def candidates(self, model: str, now: float | None = None) -> list[ReplicaState]:
+        now = time.monotonic() if now is None else now
+        return [r for r in self.replicas.get(model, {}).values()
+                if r.state == "ready" and now - r.last_seen <= self.stale_after
+                and self._avoid_until.get(r.replica_id, 0.0) <= now]
+
+    def models(self) -> list[str]:
+        return [m for m, reps in self.replicas.items() if reps]
