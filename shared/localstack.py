@@ -225,6 +225,7 @@ class LocalStack:
 
     def _ensure_key(self) -> str:
         import asyncio
+        import concurrent.futures
 
         from services.gateway.auth import create_key
         from shared.store import connect_redis
@@ -236,7 +237,9 @@ class LocalStack:
             finally:
                 await redis.aclose()
 
-        return asyncio.run(create())
+        # Its own thread and loop: start() may be called from inside a running event loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, create()).result()
 
     def wait_ready(self, timeout: float) -> None:
         """Until the gateway answers and every engine is registered as ready."""
