@@ -26,6 +26,7 @@ import aiohttp  # noqa: E402
 
 from services.engine import SamplingParams  # noqa: E402
 from services.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from shared import aio  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -93,7 +94,7 @@ async def main_async(args) -> dict:
     ps = prompts(max(args.requests_c1, 32 * args.rounds_c32), args.seed)
 
     engine = AsyncLLMEngine.from_model(model_dir, **ENGINE_ARGS)
-    engine.start()
+    await engine.start()
     counter = iter(range(10**9))
     inproc = await measure(lambda p, m: inproc_one(engine, f"r{next(counter)}", p, m), ps, args.requests_c1,
                            args.rounds_c32)
@@ -127,7 +128,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gateway_overhead.json"))
     args = parser.parse_args()
-    results = asyncio.run(main_async(args))
+    results = {}
+
+    async def run() -> None:
+        results.update(await main_async(args))
+
+    aio.run(run())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), **results}, indent=2))
     print(f"wrote {args.out}")

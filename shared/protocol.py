@@ -94,17 +94,20 @@ M = TypeVar("M", bound="Message")
 
 
 class Message:
-    """Base of every wire message: a dataclass with typed fields, validated on decode."""
+    """Base of every wire message: a dataclass with typed fields, validated on decode.
 
-    _hints: ClassVar[dict[str, Any]]
+    Each class's field checkers are compiled once from its type hints, so decoding costs a few
+    function calls per field (messages are decoded on every hop of every token stream).
+    """
+
+    _fields: ClassVar[list[tuple[str, Any, bool]]]
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if value is None:
-                continue  # absent and None are the same on the wire
-            out[f.name] = _to_wire(value)
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            if value is not None:  # absent and None are the same on the wire
+                out[name] = _to_wire(value)
         return out
 
     @classmethod
@@ -112,13 +115,13 @@ class Message:
         where = where or cls.__name__
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        hints = _hints_of(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name in data and data[f.name] is not None:
-                kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing required field {f.name!r}")
+        for name, check, required in _compiled(cls):
+            value = data.get(name)
+            if value is not None:
+                kwargs[name] = check(value, f"{where}.{name}")
+            elif required:
+                raise ProtocolError(f"{where}: missing required field {name!r}")
         msg = cls(**kwargs)
         msg.validate()
         return msg
@@ -127,61 +130,104 @@ class Message:
         """Cross-field checks; raise ProtocolError."""
 
 
-def _hints_of(cls: type) -> dict[str, Any]:
-    if "_hints" not in cls.__dict__:
-        cls._hints = typing.get_type_hints(cls)
-    return cls._hints
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_COMPILED: dict[type, list[tuple[str, Any, bool]]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _compiled(cls: type) -> list[tuple[str, Any, bool]]:
+    fields = _COMPILED.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = _COMPILED[cls] = [
+            (f.name, _checker(hints[f.name]),
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)]
+    return fields
 
 
 def _to_wire(value: Any) -> Any:
     if isinstance(value, Message):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
+        return [_to_wire(v) for v in value] if value and isinstance(value[0], (Message, list, dict)) else list(value)
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
     return value
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """Return value converted to hint's type, or raise ProtocolError."""
+def _checker(hint: Any):
+    """A function (value, where) -> value converted to hint's type, raising ProtocolError."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _check(value, option, where)
-            except ProtocolError as exc:
-                errors.append(str(exc))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: none of {options} matched")
+        options = [_checker(a) for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            return options[0]
+
+        def check_union(value, where):
+            errors = []
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError as exc:
+                    errors.append(str(exc))
+            raise ProtocolError(f"{where}: no accepted type matched ({'; '.join(errors)})")
+        return check_union
     if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(hint)
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        (item_hint,) = typing.get_args(hint)
+        if item_hint is int:  # token ids and hashes: the hot case
+            def check_int_list(value, where):
+                if not isinstance(value, (list, tuple)):
+                    raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+                for i, v in enumerate(value):
+                    if type(v) is not int:
+                        raise ProtocolError(f"{where}[{i}]: expected an integer, got {type(v).__name__}")
+                return list(value)
+            return check_int_list
+        item = _checker(item_hint)
+
+        def check_list(value, where):
+            if not isinstance(value, (list, tuple)):
+                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        key_t, val_t = typing.get_args(hint)
-        return {_check(k, key_t, f"{where} key"): _check(v, val_t, f"{where}[{k!r}]") for k, v in value.items()}
+        key_check, val_check = (_checker(a) for a in typing.get_args(hint))
+
+        def check_dict(value, where):
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+            return {key_check(k, f"{where} key"): val_check(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return check_dict
     if isinstance(hint, type) and issubclass(hint, Message):
-        return hint.from_dict(value, where)
+        return lambda value, where: hint.from_dict(value, where)
     if hint is Any:
-        return value
+        return lambda value, where: value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+        def check_float(value, where):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+            return float(value)
+        return check_float
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
+        def check_int(value, where):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
+            return value
+        return check_int
     if hint in (str, bool, bytes):
-        if not isinstance(value, hint):
-            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        return value
-    raise TypeError(f"unsupported field type {hint!r} at {where}")  # a bug in this module, not bad input
+        def check_simple(value, where):
+            if not isinstance(value, hint):
+                raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+            return value
+        return check_simple
+    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
 
 
 def encode(msg: Message) -> bytes:
@@ -287,6 +333,8 @@ class TokenChunk(Message):
     error: ErrorInfo | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None  # seconds per phase, on the final chunk
+    # On the final chunk: the request's hop timestamps (unix seconds), the engine's included.
+    timestamps: dict[str, float] | None = None
     logprobs: list[TokenLogprob] | None = None
     replica_id: str | None = None
 

@@ -10,6 +10,7 @@ import sys
 
 from services.engine.service import EngineWorker, WorkerConfig
 from shared import protocol
+from shared import aio
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         await worker.start()
         await worker.run()
 
-    asyncio.run(run())
+    aio.run(run())
     return 0
 
 

@@ -82,9 +82,9 @@ class EngineWorker:
         cfg = self.cfg
         structlog.contextvars.bind_contextvars(replica_id=cfg.replica_id)
         args = EngineArgs.from_kwargs(**cfg.engine_args)
-        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, cfg.model_dir, args)
-        self.engine = AsyncLLMEngine(engine, on_step=self._kv_queue.put_nowait)
-        self.engine.start()
+        self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args), on_step=self._kv_queue.put_nowait)
+        await self.engine.start()
+        engine = self.engine.engine
         self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}")
         self.redis = connect_redis(cfg.redis_url, f"engine-{cfg.replica_id}")
         await self._start_http()
@@ -156,6 +156,7 @@ class EngineWorker:
     # ---- generate ---------------------------------------------------------------------------
     async def on_generate(self, req: GenerateRequest, raw) -> None:
         arrival = time.monotonic()
+        req.timestamps["engine_received"] = time.time()
         if self.state != "ready":
             await self._refuse(req, raw, ErrorCode.UNAVAILABLE, f"replica {self.cfg.replica_id} is {self.state}")
             return
@@ -190,19 +191,22 @@ class EngineWorker:
     async def _stream(self, req: GenerateRequest, stream: RequestStream, arrival: float) -> None:
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         seq_no, last_emit = 0, None
+        expired = False
+        timer = None
+        if req.deadline is not None:  # one timer per request, not a timeout per chunk
+            def on_deadline() -> None:
+                nonlocal expired
+                expired = True
+                self.engine.abort(req.request_id)
+
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(loop.time() + max(req.deadline - time.time(), 0.0), on_deadline)
         try:
-            while True:
-                timeout = None if req.deadline is None else max(req.deadline - time.time(), 0.0)
-                try:
-                    first = await asyncio.wait_for(stream.__anext__(), timeout)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    self.engine.abort(req.request_id)
-                    await self._final_error(req, seq_no, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded")
-                    await self._discard(stream)
-                    return
+            async for first in stream:
                 outs = [first] + stream.drain_ready()  # everything since the last chunk, in one message
+                if expired and outs[-1].finished:
+                    await self._final_error(req, seq_no, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+                    return
                 chunk = self._chunk(req, seq_no, outs)
                 now = time.monotonic()
                 if chunk.token_ids:
@@ -211,6 +215,10 @@ class EngineWorker:
                     else:
                         self.metrics.itl.observe((now - last_emit) / len(chunk.token_ids))
                     last_emit = now
+                if seq_no == 0:
+                    req.timestamps["engine_first_chunk"] = time.time()
+                if chunk.is_final:
+                    chunk.timestamps = {**req.timestamps, "engine_final_chunk": time.time()}
                 await self.bus.publish(req.reply_to, chunk)
                 seq_no += 1
                 if chunk.is_final:
@@ -224,6 +232,8 @@ class EngineWorker:
             await self._final_error(req, seq_no, ErrorCode.INTERNAL, "internal error in the engine worker")
             await self._discard(stream)
         finally:
+            if timer is not None:
+                timer.cancel()
             self._tenants.pop(req.request_id, None)
 
     @staticmethod

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from services.gateway.service import GatewayConfig, GatewayService
+from shared import aio
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
         await stop.wait()
         await service.stop()
 
-    asyncio.run(run())
+    aio.run(run())
     return 0
 
 

@@ -29,7 +29,7 @@ from services.gateway.openapi import openapi_spec
 from shared import protocol
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import Cancel, GenerateAck, GenerateRequest, TokenChunk
+from shared.protocol import Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, TokenChunk
 from shared.store import connect_redis
 
 log = get_logger()
@@ -264,9 +264,14 @@ class GatewayService:
         self._streams[rid] = queue
         self.metrics.active.inc()
         finished = False
+        # The engine ends the request at its deadline; if even that final chunk never comes
+        # (a lost message, a dead engine), this sentinel ends the wait.
+        timer = asyncio.get_running_loop().call_later(timeout + 2.0, queue.put_nowait, TokenChunk(
+            request_id=rid, seq=-1, finish_reason="error",
+            error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
             await self._submit(gen)
-            first = await self._next(queue, gen)
+            first = await queue.get()
             if first.error is not None:
                 finished = True
                 raise oa.from_engine_error(first.error.code, first.error.message)
@@ -278,6 +283,7 @@ class GatewayService:
             finished = True
             return response
         finally:
+            timer.cancel()
             self.metrics.active.dec()
             self._streams.pop(rid, None)
             if not finished:  # the client left, or something broke: free the engine's blocks now
@@ -294,26 +300,20 @@ class GatewayService:
         if not ack.accepted:
             raise oa.from_engine_error(ack.error.code, ack.error.message)
 
-    async def _next(self, queue: asyncio.Queue, gen: GenerateRequest) -> TokenChunk:
-        remaining = gen.deadline - time.time() + 2.0  # the engine ends it at the deadline; allow transit
-        try:
-            return await asyncio.wait_for(queue.get(), max(remaining, 0.1))
-        except asyncio.TimeoutError:
-            raise ApiError(504, "timed out waiting for tokens", "timeout_error", None, "deadline_exceeded") from None
-
     async def _cancel(self, gen: GenerateRequest) -> None:
         try:
             await self.bus.publish(protocol.CANCEL, Cancel(request_id=gen.request_id, tenant=gen.tenant))
         except Exception as exc:
             log.warning("cancel publish failed", error=str(exc))
 
-    async def _chunks(self, first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
+    @staticmethod
+    async def _chunks(first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
         chunk = first
         while True:
             yield chunk
             if chunk.is_final:
                 return
-            chunk = await self._next(queue, gen)
+            chunk = await queue.get()
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
                        queue: asyncio.Queue, arrival: float) -> web.Response:

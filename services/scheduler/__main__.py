@@ -10,6 +10,7 @@ import socket
 import sys
 
 from services.scheduler.service import SchedulerConfig, SchedulerService
+from shared import aio
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
         await stop.wait()
         await service.stop()
 
-    asyncio.run(run())
+    aio.run(run())
     return 0
 
 

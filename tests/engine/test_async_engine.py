@@ -12,7 +12,7 @@ from tests.engine.conftest import assert_no_leak
 @pytest.fixture
 async def engine(tiny_model_dir):
     eng = AsyncLLMEngine.from_model(tiny_model_dir, num_kv_blocks=256, max_num_seqs=8)
-    eng.start()
+    await eng.start()
     yield eng
     await eng.shutdown()
 
