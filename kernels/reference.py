@@ -147,51 +147,55 @@ def silu_and_mul_ref(x):
 # ----------------------------------------------------------------------------
 
 
-def compute_cos_sin_cache(head_dim: int, max_position: int, base: float, scaling: Optional[dict] = None):
-    """``[max_position, head_dim]`` fp32 table: cos in the first half, sin in the second.
-
-    Row ``p`` holds ``cos(p * inv_freq)`` and ``sin(p * inv_freq)`` with
-    ``inv_freq[i] = base ** (-2i / head_dim)``, matching Hugging Face transformers'
-    rope init for:
-
-    * ``scaling=None`` or ``{"rope_type": "default"}``
-    * ``{"rope_type": "linear", "factor": f}`` (inv_freq / f)
-    * ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-      "original_max_position_embeddings"}`` (Llama 3.1 frequency scaling)
-
-    The older key ``"type"`` is accepted for ``"rope_type"``. Not supported (raise
-    NotImplementedError): ``"dynamic"`` (NTK scaling depends on the current
-    sequence length, so one static table cannot represent it), ``"yarn"``,
-    ``"longrope"`` and others that also scale the cos/sin magnitudes.
-    """
+def rope_inverse_frequencies(head_dim: int, base: float, scaling: Optional[dict] = None,
+                             max_position: int = 2048) -> tuple[torch.Tensor, float]:
+    """Per-pair inverse frequencies and the factor applied to cos/sin, matching Hugging Face
+    transformers' rope init for ``default``, ``linear``, ``llama3`` (Llama 3.1) and ``yarn``
+    (Qwen2.5 long context). The older key ``"type"`` is accepted for ``"rope_type"``.
+    ``"dynamic"`` (NTK scaling depends on the current length, so one static table cannot hold
+    it), ``"longrope"`` and others raise NotImplementedError."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = "default"
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        pass
-    elif rope_type == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "llama3":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
         factor = scaling["factor"]
-        low_freq_factor = scaling["low_freq_factor"]
-        high_freq_factor = scaling["high_freq_factor"]
-        old_context_len = scaling["original_max_position_embeddings"]
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed down by `factor`, short ones kept, the band
-        # in between interpolated smoothly (same formula as Meta / HF).
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band in between
+        # interpolated smoothly (same formula as Meta / HF).
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    else:
-        raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
-    t = torch.arange(max_position, dtype=torch.float32)
-    freqs = t[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        factor = scaling["factor"]
+        old_ctx = scaling.get("original_max_position_embeddings") or max_position
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo = max(math.floor(correction_dim(beta_fast)), 0)
+        hi = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo if hi != lo else 0.001)
+        extrapolation = 1 - ramp.clamp(0, 1)
+        return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation, mscale
+    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+
+
+def compute_cos_sin_cache(head_dim: int, max_position: int, base: float, scaling: Optional[dict] = None):
+    """``[max_position, head_dim]`` fp32 table: cos in the first half, sin in the second
+    (row ``p`` holds ``cos(p * inv_freq)``, ``sin(p * inv_freq)``; see rope_inverse_frequencies)."""
+    inv_freq, mscale = rope_inverse_frequencies(head_dim, base, scaling, max_position)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1).float()
 
 
 def rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim):

@@ -9,6 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton kernels run on CUDA when there is a GPU, else on CPU through the Triton interpreter.
+# The interpreter must be chosen before triton is first imported (transformers imports it),
+# so it is decided here, before anything else is imported.
+import torch  # noqa: E402  (torch does not import triton)
+
+os.environ.setdefault("STRATA_KERNEL_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+if os.environ["STRATA_KERNEL_DEVICE"] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 
 from shared.localstack import LocalInfra

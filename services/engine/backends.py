@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention import TorchAttention
-from services.engine.rotary import apply_rotary
+from kernels.reference import rotary_embedding_ref
 
 
 class TorchOps:
@@ -24,8 +24,11 @@ class TorchOps:
         if residual is not None:
             x = x + residual
             residual = x
-        xf = x.float()
-        normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        if x.dtype == torch.float32:  # one fused op; same math as below
+            normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        else:
+            xf = x.float()
+            normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return normed if residual is None else (normed, residual)
 
     @staticmethod
@@ -33,7 +36,7 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    rotary = staticmethod(apply_rotary)
+    rotary = staticmethod(rotary_embedding_ref)
 
 
 def select_ops(device: torch.device, backend: str = "auto"):
@@ -42,6 +45,6 @@ def select_ops(device: torch.device, backend: str = "auto"):
     if backend == "torch":
         return TorchOps
     if backend == "triton":
-        from services.engine.triton_backend import TritonOps
+        from services.engine.triton_backend import TritonOps  # imports triton: only when chosen
         return TritonOps
     raise ValueError(f"unknown attention backend {backend!r} (auto, torch, triton)")

@@ -13,7 +13,7 @@ from services.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | Path, **engine_args):
-        self.engine = LLMEngine(model, EngineArgs.from_kwargs(**engine_args), stream_text=False)
+        self.engine = LLMEngine(model, EngineArgs.from_kwargs(**engine_args), streaming=False)
         self._ids = itertools.count()
 
     @property

@@ -24,7 +24,7 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, stream_text: bool = True):
+    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, streaming: bool = True):
         self.args = args or EngineArgs()
         self.model_config = ModelConfig.load(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -36,7 +36,9 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings,
                                  self.runner.num_blocks * self.args.block_size)
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
-        self.stream_text = stream_text  # False: decode text once at the end unless stop strings need it
+        # streaming=False (offline use): step() returns only finished requests, and text is decoded
+        # once at the end unless stop strings need it incrementally.
+        self.streaming = streaming
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.step_timings = StepTimings()
@@ -98,7 +100,8 @@ class LLMEngine:
         now = time.monotonic()
         for seq, token, logprob in zip(sampled_seqs, result.token_ids, result.logprobs):
             self._append_token(seq, token, logprob, now)
-            outputs.append(self._output(seq))
+            if self.streaming or seq.is_finished:
+                outputs.append(self._output(seq))
         self.num_steps += 1
         self.num_generated_tokens += len(sampled_seqs)
         return outputs
@@ -112,7 +115,7 @@ class LLMEngine:
             seq.logprobs.append({**top, token: chosen})
         params = seq.params
         reason = None
-        if params.stop or self.stream_text:
+        if params.stop or self.streaming:
             if seq.detokenizer.append(seq.token_ids):
                 reason = "stop"
         if reason is None:
@@ -131,11 +134,11 @@ class LLMEngine:
         new_logprobs = [(t, lp[t], lp) for t, lp in zip(new_ids, seq.logprobs[seq.num_emitted_tokens:])] \
             if seq.params.logprobs is not None else []
         seq.num_emitted_tokens = seq.num_output_tokens
-        if finished and not (seq.params.stop or self.stream_text):
+        if finished and not (seq.params.stop or self.streaming):
             seq.detokenizer.output_text = self.tokenizer.backend_tokenizer.decode(
                 seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         delta = seq.detokenizer.take_delta(finished)
-        completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.stream_text else "",
+        completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.streaming else "",
                                       seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time)

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from services.engine.attention import AttentionMetadata
+from kernels.reference import compute_cos_sin_cache
 from services.engine.model_config import ModelConfig
-from services.engine.rotary import cos_sin_cache
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -56,7 +56,8 @@ class LlamaModel:
         self._to(dtype, device)
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.rope = cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling).to(device)
+        self.rope = compute_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                          c.rope_scaling).to(device)
         self.attn = ops.attention_cls(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
     def _to(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -95,7 +96,7 @@ class LlamaModel:
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
-            q, k = ops.rotary(positions, q, k, self.rope)
+            q, k = ops.rotary(positions, q, k, self.rope, c.head_dim)
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
             h = torch.nn.functional.linear(o.view(n, self.q_size), layer.o)
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)

@@ -57,6 +57,13 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(config.num_layers)]
         self.sampler = Sampler(config.vocab_size)
+        self.graphs = None
+        if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
+            from services.engine.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-(args.max_model_len or config.max_position_embeddings) // self.block_size)
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, args.max_num_seqs, max_blocks, self.device)
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
@@ -142,18 +149,36 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
 
+    @staticmethod
+    def _is_decode_only(batch: ScheduledBatch) -> bool:
+        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(batch.seqs, batch.num_new_tokens))
+
+    def _decode_with_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in seqs]
+        return self.graphs.run(
+            input_ids=[s.token_ids[p] for s, p in zip(seqs, positions)], positions=positions,
+            slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            tables=[s.block_table for s in seqs], context_lens=[p + 1 for p in positions])
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, timings: StepTimings | None = None
                 ) -> tuple[list[Sequence], SampleResult]:
         t0 = time.perf_counter()
-        ids, pos, meta, rows, seqs = self.prepare(batch)
-        t1 = time.perf_counter()
-        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        if self.graphs is not None and self._is_decode_only(batch) and self.graphs.can_run(len(batch.seqs)):
+            seqs = batch.seqs
+            hidden = self._decode_with_graph(seqs)
+            t1 = time.perf_counter()
+            logits = self.model.logits(hidden)
+        else:
+            ids, pos, meta, rows, seqs = self.prepare(batch)
+            t1 = time.perf_counter()
+            hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if logits is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        result = self.sampler(logits.cpu(), seqs) if rows else SampleResult([], [])
+        result = self.sampler(logits.cpu(), seqs) if logits is not None else SampleResult([], [])
         t3 = time.perf_counter()
         if timings is not None:
             timings.prepare += t1 - t0
