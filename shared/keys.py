@@ -23,6 +23,16 @@ def replica_blocks(model: str, replica_id: str) -> str:
     return f"{PREFIX}:prefix_replica:{model}:{replica_id}"
 
 
+def replica_blocks_seq(model: str, replica_id: str) -> str:
+    """String: the last KV event batch seq applied to the index for a replica."""
+    return f"{PREFIX}:prefix_seq:{model}:{replica_id}"
+
+
+def resync_lock(model: str, replica_id: str) -> str:
+    """Short-lived lock: one scheduler at a time rebuilds a replica's index entries."""
+    return f"{PREFIX}:prefix_resync:{model}:{replica_id}"
+
+
 def api_key(key_hash: str) -> str:
     """Hash: tenant name and limits of an API key, by the key's SHA-256."""
     return f"{PREFIX}:apikey:{key_hash}"

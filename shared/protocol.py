@@ -28,6 +28,7 @@ CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"
+SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
 LOGS_ALL = f"{PREFIX}.logs.>"
 
 
@@ -62,6 +63,10 @@ def heartbeat(replica_id: str) -> str:
 
 def kv_events(model: str, replica_id: str) -> str:
     return f"{PREFIX}.kv.{_token(model)}.{_token(replica_id)}"
+
+
+def scheduler_stats(scheduler_id: str) -> str:
+    return f"{PREFIX}.scheduler.{_token(scheduler_id)}.stats"
 
 
 def logs(service: str) -> str:
@@ -382,6 +387,7 @@ class Heartbeat(Message):
     prefix_hit_rate: float = 0.0
     tokens_per_s: float = 0.0
     block_size: int = 16
+    max_num_seqs: int = 64
     timestamp: float = 0.0
 
 
@@ -413,6 +419,16 @@ class KvSnapshot(Message):
 @dataclass
 class KvSnapshotRequest(Message):
     replica_id: str | None = None
+
+
+@dataclass
+class SchedulerStats(Message):
+    """A scheduler's admission queues, every second: the scaler's main signal."""
+
+    scheduler_id: str
+    queue_depth: dict[str, int] = field(default_factory=dict)  # model -> requests waiting
+    oldest_wait_s: dict[str, float] = field(default_factory=dict)  # model -> longest wait so far
+    timestamp: float = 0.0
 
 
 @dataclass

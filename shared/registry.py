@@ -26,9 +26,14 @@ async def remove(redis: aioredis.Redis, replica_id: str, model: str) -> None:
 
 async def live_replicas(redis: aioredis.Redis, model: str) -> dict[str, dict[str, str]]:
     """Replicas of a model whose lease is alive, with their fields; prunes expired members."""
+    return (await sweep(redis, model))[0]
+
+
+async def sweep(redis: aioredis.Redis, model: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """(live replicas with their fields, replicas whose lease is gone); prunes the gone ones."""
     members = [m.decode() for m in await redis.smembers(keys.model_replicas(model))]
     if not members:
-        return {}
+        return {}, []
     async with redis.pipeline(transaction=False) as pipe:
         for m in members:
             pipe.hgetall(keys.replica(m))
@@ -41,7 +46,7 @@ async def live_replicas(redis: aioredis.Redis, model: str) -> dict[str, dict[str
             dead.append(m)
     if dead:
         await redis.srem(keys.model_replicas(model), *dead)
-    return live
+    return live, dead
 
 
 async def models(redis: aioredis.Redis) -> list[str]:

@@ -76,6 +76,8 @@ class EngineWorker:
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._last_tokens = (time.monotonic(), 0)
+        self._last_heartbeat = 0.0
+        self._tokens_per_s = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -235,6 +237,8 @@ class EngineWorker:
             if timer is not None:
                 timer.cancel()
             self._tenants.pop(req.request_id, None)
+            if self.state == "ready":
+                self._load_changed()
 
     @staticmethod
     async def _discard(stream: RequestStream) -> None:
@@ -315,22 +319,34 @@ class EngineWorker:
 
     def heartbeat(self) -> Heartbeat:
         stats = self.engine.engine.stats()
-        now = time.monotonic()
-        then, tokens_then = self._last_tokens
-        tokens = self.engine.tokens_generated
-        self._last_tokens = (now, tokens)
         queries = stats["prefix_cache_queries"]
         return Heartbeat(
             replica_id=self.cfg.replica_id, model=self.cfg.deployment, deployment=self.cfg.deployment,
             state=self.state, running=stats["running"], waiting=stats["waiting"],
             kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
-            tokens_per_s=(tokens - tokens_then) / max(now - then, 1e-6),
-            block_size=self.engine.engine.args.block_size, timestamp=time.time())
+            tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
+            max_num_seqs=self.engine.engine.args.max_num_seqs, timestamp=time.time())
+
+    def _update_rate(self) -> None:
+        now, tokens = time.monotonic(), self.engine.tokens_generated
+        then, tokens_then = self._last_tokens
+        self._tokens_per_s = (tokens - tokens_then) / max(now - then, 1e-6)
+        self._last_tokens = (now, tokens)
+
+    def _load_changed(self) -> None:
+        """A request finished: tell the schedulers now (at most every 50 ms), not at the next
+        heartbeat, so queued work is dispatched as soon as there is room."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= 0.05:
+            self._last_heartbeat = now
+            self._spawn(self.bus.publish(protocol.heartbeat(self.cfg.replica_id), self.heartbeat()))
 
     async def _heartbeat_once(self) -> None:
+        self._update_rate()
         hb = self.heartbeat()
         self.metrics.update_engine(self.engine.engine.stats())
+        self._last_heartbeat = time.monotonic()
         await self.bus.publish(protocol.heartbeat(self.cfg.replica_id), hb)
         fields = {k: v for k, v in hb.to_dict().items()}
         fields.update(http_url=self.http_url, host=socket.gethostname(), pid=os.getpid())

@@ -19,6 +19,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.scheduler", description="Strata scheduler")
     p.add_argument("--scheduler-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--ack-timeout", type=float, default=2.0)
+    p.add_argument("--policy", default="kv_aware", choices=["round_robin", "least_load", "kv_aware"],
+                   help="default routing policy")
+    p.add_argument("--policy-for", action="append", default=[], metavar="MODEL=POLICY",
+                   help="routing policy of one deployment (repeatable)")
+    p.add_argument("--prefill-weight", type=float, default=1.0, help="kv_aware: weight of blocks to prefill vs load")
+    p.add_argument("--max-queue", type=int, default=1024)
     Settings.add_arguments(p)
     args = p.parse_args(argv)
     settings = Settings.from_args(args)
@@ -28,8 +34,10 @@ def main(argv=None) -> int:
         return 2
 
     async def run() -> None:
-        service = SchedulerService(SchedulerConfig(settings.nats_url, settings.redis_url, args.scheduler_id,
-                                                   ack_timeout=args.ack_timeout))
+        policies = dict(item.split("=", 1) for item in args.policy_for)
+        service = SchedulerService(SchedulerConfig(
+            settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
+            prefill_weight=args.prefill_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
         await service.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

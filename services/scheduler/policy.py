@@ -1,9 +1,19 @@
-"""Routing policies: pure functions of the replicas' state, no I/O (the simulator reuses them)."""
+"""Routing policies: pure functions of the replicas' state, no I/O (the simulator reuses them).
+
+kv_aware scores each replica by the work the request would cost there: the prompt blocks it
+still has to prefill (those beyond its longest cached prefix) and the load it already carries
+(active KV blocks, plus blocks routed to it since its last report), as Dynamo's KV router does.
+A popular prefix therefore stays on its holder only while the holder is not much busier than
+recomputing the prefix elsewhere: that spreads hot prefixes instead of piling them up.
+"""
 
 from __future__ import annotations
 
+import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_load", "kv_aware")
 
 
 @dataclass
@@ -14,11 +24,14 @@ class ReplicaState:
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 1
-    inflight: int = 0  # requests this scheduler sent since the replica's last heartbeat
+    max_num_seqs: int = 64
+    block_size: int = 16
+    inflight: int = 0  # requests this scheduler sent since the replica's last report
+    inflight_blocks: int = 0  # their prompt blocks
     last_seen: float = 0.0
 
     @property
-    def load(self) -> float:
+    def load(self) -> int:
         """Requests on the replica, counting ones routed since its last report."""
         return self.running + self.waiting + self.inflight
 
@@ -26,9 +39,65 @@ class ReplicaState:
     def kv_usage(self) -> float:
         return self.kv_blocks_used / max(self.kv_blocks_total, 1)
 
+    @property
+    def saturated(self) -> bool:
+        """Full batch and a queue: more work would only wait there."""
+        return self.load >= self.max_num_seqs + 1 or self.kv_usage >= 0.98
 
-def least_load(candidates: list[ReplicaState], rng: random.Random) -> list[ReplicaState]:
-    """Candidates ordered best first: fewest requests, then least KV in use; ties at random."""
-    shuffled = list(candidates)
-    rng.shuffle(shuffled)
-    return sorted(shuffled, key=lambda r: (r.load, r.kv_usage))
+
+@dataclass
+class Decision:
+    replica: ReplicaState
+    policy: str
+    cached_blocks: int = 0  # of the prompt's full blocks, how many the chosen replica holds
+    prompt_blocks: int = 0
+    scores: dict[str, float] = field(default_factory=dict)  # cost per candidate (kv_aware)
+
+
+def prefix_overlaps(holders: list[set[str]], replica_ids: list[str]) -> dict[str, int]:
+    """Longest run of leading blocks each replica holds (holders[i]: replicas holding block i)."""
+    overlap = dict.fromkeys(replica_ids, 0)
+    alive = set(replica_ids)
+    for i, holding in enumerate(holders):
+        alive &= holding
+        if not alive:
+            break
+        for r in alive:
+            overlap[r] = i + 1
+    return overlap
+
+
+class Router:
+    """Chooses replicas; holds only the round-robin cursor and a seeded RNG for ties."""
+
+    def __init__(self, prefill_weight: float = 1.0, seed: int | None = None):
+        self.prefill_weight = prefill_weight
+        self.rng = random.Random(seed)
+        self._rr = itertools.count()
+
+    def rank(self, policy: str, candidates: list[ReplicaState], prompt_blocks: int = 0,
+             overlaps: dict[str, int] | None = None) -> list[Decision]:
+        """Candidates best first under `policy`."""
+        if not candidates:
+            return []
+        shuffled = list(candidates)
+        self.rng.shuffle(shuffled)  # ties broken at random
+        overlaps = overlaps or {}
+        if policy == "round_robin":
+            start = next(self._rr) % len(candidates)
+            ordered = sorted(candidates, key=lambda r: r.replica_id)
+            ordered = ordered[start:] + ordered[:start]
+            return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks) for r in ordered]
+        if policy == "least_load":
+            ordered = sorted(shuffled, key=lambda r: (r.load, r.kv_usage))
+            return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks) for r in ordered]
+        if policy == "kv_aware":
+            costs = {r.replica_id: self.cost(r, prompt_blocks, overlaps.get(r.replica_id, 0)) for r in shuffled}
+            ordered = sorted(shuffled, key=lambda r: costs[r.replica_id])
+            return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks, costs) for r in ordered]
+        raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
+
+    def cost(self, r: ReplicaState, prompt_blocks: int, cached_blocks: int) -> float:
+        prefill = prompt_blocks + 1 - cached_blocks  # the partial last block is always computed
+        queued = r.waiting * max(prompt_blocks, 1)  # queued requests delay this one's prefill too
+        return self.prefill_weight * prefill + r.kv_blocks_used + r.inflight_blocks + queued

@@ -21,7 +21,8 @@ class ReplicaView:
         r = per_model.get(hb.replica_id) or ReplicaState(hb.replica_id)
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
-        r.inflight, r.last_seen = 0, now
+        r.block_size, r.max_num_seqs = hb.block_size, hb.max_num_seqs
+        r.inflight, r.inflight_blocks, r.last_seen = 0, 0, now
         per_model[hb.replica_id] = r
 
     def sync_registry(self, model: str, live: dict[str, dict[str, str]], now: float | None = None) -> None:
@@ -37,7 +38,9 @@ class ReplicaView:
                 per_model[rid] = ReplicaState(
                     rid, state=fields.get("state", "starting"), running=int(fields.get("running", 0)),
                     waiting=int(fields.get("waiting", 0)), kv_blocks_used=int(fields.get("kv_blocks_used", 0)),
-                    kv_blocks_total=int(fields.get("kv_blocks_total", 1)), last_seen=now)
+                    kv_blocks_total=int(fields.get("kv_blocks_total", 1)),
+                    block_size=int(fields.get("block_size", 16)), max_num_seqs=int(fields.get("max_num_seqs", 64)),
+                    last_seen=now)
 
     def avoid(self, replica_id: str, now: float | None = None) -> None:
         """Keep a replica that just failed out of routing for a while."""
@@ -51,3 +54,6 @@ class ReplicaView:
 
     def models(self) -> list[str]:
         return [m for m, reps in self.replicas.items() if reps]
+
+    def forget(self, model: str, replica_id: str) -> None:
+        self.replicas.get(model, {}).pop(replica_id, None)

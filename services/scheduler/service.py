@@ -1,27 +1,32 @@
 """The scheduler: routes generate requests to engine replicas (a queue group: run several).
 
 It is not on the token path: it forwards the request with the caller's reply subject, so the
-engine streams straight to the caller. A replica that refuses or does not acknowledge in time is
-avoided for a while and the next best one is tried; the caller hears from the scheduler only when
-no replica takes the request (one final error chunk).
+engine streams straight to the caller. Routing is by policy (kv_aware by default: the prefix
+index in Redis, fed by the engines' KV events, tells how much of the prompt each replica holds).
+When every replica is saturated, requests wait in a bounded admission queue (priority classes,
+fair across tenants). A replica that refuses or does not acknowledge is avoided for a while and
+the next is tried; the caller hears from the scheduler only when nobody takes the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.scheduler.policy import least_load
+from services.scheduler.admission import AdmissionQueue, QueuedRequest
+from services.scheduler.policy import POLICIES, Router, prefix_overlaps
+from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.replicas import ReplicaView
-from shared import protocol, registry
+from shared import keys, protocol, registry
+from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat, TokenChunk)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat, KvEventBatch,
+                             KvSnapshot, KvSnapshotRequest, SchedulerStats, TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -32,91 +37,231 @@ class SchedulerConfig:
     nats_url: str
     redis_url: str
     scheduler_id: str = "scheduler"
+    policy: str = "kv_aware"  # default for deployments that do not choose
+    policies: dict[str, str] = field(default_factory=dict)  # deployment -> policy
+    prefill_weight: float = 1.0
     ack_timeout: float = 2.0
     max_attempts: int = 3
+    max_queue: int = 1024
     registry_sync_interval: float = 1.0
     lease_ttl: float = 5.0
+    seed: int | None = None
 
 
 class SchedulerMetrics:
     def __init__(self):
-        self.registry = CollectorRegistry()
-        self.decisions = Counter("strata:scheduler_decisions", "Routing decisions.", ["policy", "outcome"],
-                                 registry=self.registry)
-        self.retries = Counter("strata:scheduler_retries", "Requests re-sent to another replica.",
-                               registry=self.registry)
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("strata:scheduler_decisions", "Routing decisions.", ["model_name", "policy", "outcome"],
+                                 registry=r)
+        self.matched = Histogram("strata:scheduler_matched_prefix_fraction",
+                                 "Fraction of the prompt's blocks cached on the chosen replica.", ["model_name"],
+                                 buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.retries = Counter("strata:scheduler_retries", "Requests re-sent to another replica.", registry=r)
         self.routing_time = Histogram("strata:scheduler_routing_seconds", "Receipt to engine acknowledgement.",
-                                      registry=self.registry)
+                                      registry=r)
+        self.queue_depth = Gauge("strata:scheduler_queue_depth", "Requests in the admission queue.", ["model_name"],
+                                 registry=r)
+        self.queue_wait = Histogram("strata:scheduler_queue_wait_seconds", "Time spent in the admission queue.",
+                                    ["model_name"], registry=r)
+        self.index_events = Counter("strata:scheduler_kv_event_batches", "KV event batches by outcome.",
+                                    ["outcome"], registry=r)
 
 
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.view = ReplicaView(stale_after=cfg.lease_ttl)
-        self.rng = random.Random()
+        self.router = Router(cfg.prefill_weight, cfg.seed)
         self.metrics = SchedulerMetrics()
+        self.queues: dict[str, AdmissionQueue] = {}
         self.bus: Bus | None = None
         self.redis = None
+        self.index: PrefixIndex | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._resyncing: set[tuple[str, str]] = set()
+        self._deployment_policy: dict[str, str] = {}
+        self._wake_dispatch = asyncio.Event()
+        self._dispatched = 0
 
+    # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(scheduler_id=self.cfg.scheduler_id)
         self.bus = await Bus.connect(self.cfg.nats_url, f"scheduler-{self.cfg.scheduler_id}")
         self.redis = connect_redis(self.cfg.redis_url, f"scheduler-{self.cfg.scheduler_id}")
+        self.index = PrefixIndex(self.redis)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.bus.subscribe(protocol.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
         await self.bus.subscribe(protocol.GENERATE, GenerateRequest, self.on_generate,
                                  queue=protocol.SCHEDULER_QUEUE, concurrent=True)
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
+        try:
+            await self.sync_registry()
+        except Exception as exc:
+            log.warning("initial registry sync failed", error=str(exc))
         self._spawn(self._registry_loop())
-        log.info("scheduler ready")
+        self._spawn(self._dispatch_loop())
+        self._spawn(self._stats_loop())
+        log.info("scheduler ready", policy=self.cfg.policy)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for model, queue in self.queues.items():  # what we held ends with an error, not silence
+            while (item := queue.pop()) is not None:
+                await self._fail(item.payload, ErrorCode.UNAVAILABLE, "scheduler shutting down")
         await self.bus.close()
         await self.redis.aclose()
 
+    def policy_for(self, model: str) -> str:
+        return self.cfg.policies.get(model) or self._deployment_policy.get(model) or self.cfg.policy
+
+    # ---- replicas and the prefix index ------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
         self.view.on_heartbeat(hb)
+        if self.queues.get(hb.model):
+            self._wake_dispatch.set()
 
-    async def on_cancel(self, _msg: Cancel, _raw) -> None:
-        """Nothing is held here yet (no admission queue): engines act on cancels themselves."""
+    async def on_kv_events(self, batch: KvEventBatch, _raw) -> None:
+        if batch.cleared:
+            outcome = "gap"
+        else:
+            outcome = await self.index.apply(batch.model, batch.replica_id, batch.seq,
+                                             [s.block_hash for s in batch.stored], batch.removed)
+        self.metrics.index_events.labels(outcome).inc()
+        if outcome == "gap":
+            self._spawn(self.resync(batch.model, batch.replica_id))
+
+    async def resync(self, model: str, replica_id: str) -> None:
+        """Rebuild one replica's index entries from its snapshot (one scheduler at a time)."""
+        key = (model, replica_id)
+        if key in self._resyncing or not await self.index.try_lock_resync(model, replica_id):
+            return
+        self._resyncing.add(key)
+        try:
+            reply = await self.bus.request(protocol.engine_kv_snapshot(replica_id), KvSnapshotRequest(replica_id),
+                                           timeout=5)
+            snap = protocol.decode(KvSnapshot, reply.data)
+            await self.index.replace(model, replica_id, snap.seq, snap.block_hashes)
+            log.info("prefix index resynced", replica_id=replica_id, blocks=len(snap.block_hashes), seq=snap.seq)
+        except Exception as exc:
+            log.warning("prefix index resync failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
+        finally:
+            self._resyncing.discard(key)
+            await self.index.unlock_resync(model, replica_id)
 
     async def sync_registry(self) -> None:
-        for model in set(self.view.models()) | set(await registry.models(self.redis)):
-            self.view.sync_registry(model, await registry.live_replicas(self.redis, model))
+        models = set(self.view.models()) | set(await registry.models(self.redis))
+        for model in models:
+            live, dead = await registry.sweep(self.redis, model)
+            self.view.sync_registry(model, live)
+            for replica_id in dead:
+                await self.index.remove_replica(model, replica_id)
+            # Index entries of replicas gone before anyone swept them (e.g. all schedulers were down).
+            pattern = keys.replica_blocks(model, "*")
+            async for key in self.redis.scan_iter(match=pattern, count=500):
+                replica_id = key.decode().rsplit(":", 1)[1]
+                if replica_id not in live:
+                    await self.index.remove_replica(model, replica_id)
+            raw = await self.redis.hget(keys.deployment(model), "routing_policy")
+            if raw and raw.decode() in POLICIES:
+                self._deployment_policy[model] = raw.decode()
 
     async def _registry_loop(self) -> None:
         while True:
+            await asyncio.sleep(self.cfg.registry_sync_interval)
             try:
                 await self.sync_registry()
             except Exception as exc:  # Redis away: keep routing on heartbeats alone
                 log.warning("registry sync failed", error=str(exc))
-            await asyncio.sleep(self.cfg.registry_sync_interval)
 
+    # ---- requests ---------------------------------------------------------------------------
     async def on_generate(self, req: GenerateRequest, raw) -> None:
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        received = time.time()
+        req.timestamps["scheduler_received"] = time.time()
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
-            await self.bus.publish(raw.reply, GenerateAck(req.request_id, "", True))
-        req.timestamps["scheduler_received"] = received
+            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
+        if not self.view.replicas.get(req.model):
+            await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} is running")
+            return
+        candidates = self.view.candidates(req.model)
+        queue = self.queues.get(req.model)
+        if candidates and not (queue and len(queue)) and not all(r.saturated for r in candidates):
+            await self.route(req)
+            return
+        await self.enqueue(req)
+
+    async def enqueue(self, req: GenerateRequest) -> None:
+        queue = self.queues.setdefault(req.model, AdmissionQueue(self.cfg.max_queue))
+        refused = queue.push(QueuedRequest(req.request_id, req.tenant or "", req.priority or "standard",
+                                           time.monotonic(), req.deadline, req))
+        self.metrics.queue_depth.labels(req.model).set(len(queue))
+        if refused is not None:
+            await self._fail(refused.payload, ErrorCode.OVERLOADED, "all replicas are saturated and the queue is full")
+        self._wake_dispatch.set()
+
+    async def _dispatch_loop(self) -> None:
+        """Move queued requests to replicas as room appears (heartbeats wake it; a timer too)."""
+        last = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake_dispatch.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+            self._wake_dispatch.clear()
+            now_wall = time.time()
+            for model, queue in self.queues.items():
+                for item in queue.expired(now_wall):
+                    await self._fail(item.payload, ErrorCode.OVERLOADED,
+                                     "the request cannot start before its deadline: all replicas are saturated")
+                while len(queue):
+                    candidates = self.view.candidates(model)
+                    if not candidates or all(r.saturated for r in candidates):
+                        break
+                    item = queue.pop()
+                    self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
+                    self._dispatched += 1
+                    await self.route(item.payload)
+                self.metrics.queue_depth.labels(model).set(len(queue))
+            now = time.monotonic()
+            if now - last >= 1.0:
+                for queue in self.queues.values():
+                    queue.note_dispatch_rate(self._dispatched, now - last)
+                self._dispatched, last = 0, now
+
+    async def route(self, req: GenerateRequest) -> None:
+        received = req.timestamps.get("scheduler_received", time.time())
+        policy = self.policy_for(req.model)
         tried: set[str] = set()
-        for attempt in range(self.cfg.max_attempts):
+        for _ in range(self.cfg.max_attempts):
             candidates = [r for r in self.view.candidates(req.model) if r.replica_id not in tried]
             if not candidates:
                 break
-            choice = least_load(candidates, self.rng)[0]
+            block_size = candidates[0].block_size
+            hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
+            overlaps = {}
+            if policy == "kv_aware" and hashes:
+                try:
+                    holders = await self.index.holders(req.model, hashes)
+                    overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
+                except Exception as exc:  # Redis away: route on load alone
+                    log.warning("prefix index unavailable", error=str(exc))
+            decision = self.router.rank(policy, candidates, len(hashes), overlaps)[0]
+            choice = decision.replica
             tried.add(choice.replica_id)
             choice.inflight += 1
+            choice.inflight_blocks += len(hashes) + 1 - decision.cached_blocks
             req.timestamps["scheduler_routed"] = time.time()
             ack = await self._forward(req, choice.replica_id)
             if ack is not None and ack.accepted:
-                self.metrics.decisions.labels("least_load", "routed").inc()
+                self.metrics.decisions.labels(req.model, policy, "routed").inc()
+                if hashes:
+                    self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                 self.metrics.routing_time.observe(time.time() - received)
                 return
             choice.inflight -= 1
@@ -127,11 +272,8 @@ class SchedulerService:
             self.metrics.retries.inc()
             log.info("replica refused or timed out; trying another", replica_id=choice.replica_id,
                      error=None if ack is None or ack.error is None else ack.error.message)
-        self.metrics.decisions.labels("least_load", "no_replica").inc()
-        if not self.view.replicas.get(req.model) and not tried:
-            await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} is running")
-        else:
-            await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} can take the request")
+        self.metrics.decisions.labels(req.model, policy, "no_replica").inc()
+        await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} can take the request")
 
     async def _forward(self, req: GenerateRequest, replica_id: str) -> GenerateAck | None:
         try:
@@ -144,3 +286,29 @@ class SchedulerService:
     async def _fail(self, req: GenerateRequest, code: str, message: str) -> None:
         await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                         error=ErrorInfo(code=code, message=message)))
+
+    async def on_cancel(self, msg: Cancel, _raw) -> None:
+        """A request still in our admission queue ends here; engines handle the rest."""
+        for queue in self.queues.values():
+            item = queue.index.get(msg.request_id)
+            if item is None:
+                continue
+            if msg.tenant is not None and item.tenant and msg.tenant != item.tenant:
+                return
+            queue.remove(msg.request_id)
+            await self.bus.publish(item.payload.reply_to, TokenChunk(request_id=msg.request_id, seq=0,
+                                                                     finish_reason="abort"))
+            return
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            stats = SchedulerStats(scheduler_id=self.cfg.scheduler_id,
+                                   queue_depth={m: len(q) for m, q in self.queues.items()},
+                                   oldest_wait_s={m: q.oldest_wait(now) for m, q in self.queues.items()},
+                                   timestamp=time.time())
+            try:
+                await self.bus.publish(protocol.scheduler_stats(self.cfg.scheduler_id), stats)
+            except Exception as exc:
+                log.warning("stats publish failed", error=str(exc))

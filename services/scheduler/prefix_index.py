@@ -1,0 +1,94 @@
+"""The prefix index in Redis: block hash -> replicas, replica -> hashes, fed by KV events.
+
+Every scheduler hears every engine's KV event batches and applies them through one Lua script
+that checks the batch's seq against the last one applied: a batch already applied (by another
+scheduler) is skipped, a gap makes the caller resync from the engine's snapshot. So several
+schedulers share one exact index, and a lost or reordered batch never leaves it stale.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared import keys
+
+# KEYS: seq key, replica set key. ARGV: replica, seq, prefix key prefix, n_stored, stored..., removed...
+_APPLY = """
+local cur = redis.call('GET', KEYS[1])
+local seq = tonumber(ARGV[2])
+if not cur then return 'gap' end
+cur = tonumber(cur)
+if seq <= cur then return 'dup' end
+if seq > cur + 1 then return 'gap' end
+local replica, prefix, n = ARGV[1], ARGV[3], tonumber(ARGV[4])
+for i = 5, 4 + n do
+  redis.call('SADD', prefix .. ARGV[i], replica)
+  redis.call('SADD', KEYS[2], ARGV[i])
+end
+for i = 5 + n, #ARGV do
+  redis.call('SREM', prefix .. ARGV[i], replica)
+  redis.call('SREM', KEYS[2], ARGV[i])
+end
+redis.call('SET', KEYS[1], seq)
+return 'ok'
+"""
+
+# KEYS: seq key, replica set key. ARGV: replica, seq (or -1 to delete), prefix, hashes...
+_REPLACE = """
+local replica, prefix = ARGV[1], ARGV[3]
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  redis.call('SREM', prefix .. h, replica)
+end
+redis.call('DEL', KEYS[2])
+for i = 4, #ARGV do
+  redis.call('SADD', prefix .. ARGV[i], replica)
+  redis.call('SADD', KEYS[2], ARGV[i])
+end
+if tonumber(ARGV[2]) < 0 then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2]) end
+return 'ok'
+"""
+
+
+def _prefix(model: str) -> str:
+    return keys.prefix_block(model, 0)[:-1]  # "strata:prefix:<model>:"
+
+
+class PrefixIndex:
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+        self._apply = redis.register_script(_APPLY)
+        self._replace = redis.register_script(_REPLACE)
+
+    async def apply(self, model: str, replica_id: str, seq: int, stored: list[int], removed: list[int]) -> str:
+        """'ok', 'dup' (already applied) or 'gap' (resync needed)."""
+        result = await self._apply(
+            keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
+            args=[replica_id, seq, _prefix(model), len(stored), *stored, *removed])
+        return result.decode() if isinstance(result, bytes) else result
+
+    async def replace(self, model: str, replica_id: str, seq: int, hashes: list[int]) -> None:
+        """Make the index hold exactly `hashes` for this replica, as of event batch `seq`."""
+        await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
+                            args=[replica_id, seq, _prefix(model), *hashes])
+
+    async def remove_replica(self, model: str, replica_id: str) -> None:
+        await self.replace(model, replica_id, -1, [])
+
+    async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = 5.0) -> bool:
+        return bool(await self.redis.set(keys.resync_lock(model, replica_id), b"1", nx=True, px=int(ttl_s * 1000)))
+
+    async def unlock_resync(self, model: str, replica_id: str) -> None:
+        await self.redis.delete(keys.resync_lock(model, replica_id))
+
+    async def replica_hashes(self, model: str, replica_id: str) -> set[int]:
+        return {int(h) for h in await self.redis.smembers(keys.replica_blocks(model, replica_id))}
+
+    async def holders(self, model: str, hashes: list[int]) -> list[set[str]]:
+        """For each block hash, the replicas holding it: one round trip."""
+        if not hashes:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for h in hashes:
+                pipe.smembers(keys.prefix_block(model, h))
+            sets = await pipe.execute()
+        return [{m.decode() for m in s} for s in sets]

@@ -1,0 +1,68 @@
+"""Routing policies and prefix overlap: pure logic, no I/O."""
+
+from collections import Counter
+
+import pytest
+
+from services.scheduler.policy import ReplicaState, Router, prefix_overlaps
+
+
+def replicas(n=3, **kw):
+    return [ReplicaState(f"r{i}", **kw) for i in range(n)]
+
+
+def test_prefix_overlap_counts_only_consecutive_leading_blocks():
+    holders = [{"a", "b"}, {"a", "b"}, {"b", "c"}, {"a", "b", "c"}]
+    assert prefix_overlaps(holders, ["a", "b", "c", "d"]) == {"a": 2, "b": 4, "c": 0, "d": 0}
+    assert prefix_overlaps([], ["a"]) == {"a": 0}
+
+
+def test_kv_aware_picks_the_replica_holding_the_prefix():
+    reps = replicas(3)
+    decision = Router(seed=1).rank("kv_aware", reps, prompt_blocks=20, overlaps={"r2": 18})[0]
+    assert decision.replica.replica_id == "r2" and decision.cached_blocks == 18
+    assert decision.scores["r2"] < min(decision.scores["r0"], decision.scores["r1"])
+
+
+def test_kv_aware_leaves_a_hot_holder_when_it_is_much_busier():
+    busy = ReplicaState("holder", kv_blocks_used=500, waiting=3)
+    idle = ReplicaState("idle", kv_blocks_used=10)
+    decision = Router(seed=1).rank("kv_aware", [busy, idle], prompt_blocks=20, overlaps={"holder": 20})[0]
+    assert decision.replica.replica_id == "idle"
+    # With a heavier prefill weight the cache hit wins again.
+    decision = Router(prefill_weight=100.0, seed=1).rank("kv_aware", [busy, idle], 20, {"holder": 20})[0]
+    assert decision.replica.replica_id == "holder"
+
+
+def test_inflight_blocks_spread_a_burst_of_new_prefixes():
+    reps = replicas(4)
+    router = Router(seed=3)
+    chosen = []
+    for _ in range(8):  # eight requests before any heartbeat: each adds inflight blocks
+        d = router.rank("kv_aware", reps, prompt_blocks=30)[0]
+        d.replica.inflight += 1
+        d.replica.inflight_blocks += 31
+        chosen.append(d.replica.replica_id)
+    assert Counter(chosen) == {"r0": 2, "r1": 2, "r2": 2, "r3": 2}
+
+
+def test_least_load_and_round_robin():
+    reps = replicas(3)
+    reps[0].running, reps[1].running, reps[2].running = 5, 1, 3
+    assert [d.replica.replica_id for d in Router(seed=0).rank("least_load", reps)] == ["r1", "r2", "r0"]
+    router = Router(seed=0)
+    picks = [router.rank("round_robin", reps)[0].replica.replica_id for _ in range(6)]
+    assert picks == ["r0", "r1", "r2", "r0", "r1", "r2"]
+
+
+def test_ties_are_broken_at_random():
+    picks = Counter(Router(seed=s).rank("least_load", replicas(3))[0].replica.replica_id for s in range(60))
+    assert set(picks) == {"r0", "r1", "r2"} and min(picks.values()) > 8
+
+
+def test_saturation_and_unknown_policy():
+    r = ReplicaState("x", running=64, waiting=1, max_num_seqs=64)
+    assert r.saturated and not ReplicaState("y", running=10).saturated
+    assert ReplicaState("z", kv_blocks_used=99, kv_blocks_total=100).saturated
+    with pytest.raises(ValueError):
+        Router().rank("fastest", replicas(1))
