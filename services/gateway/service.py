@@ -29,7 +29,8 @@ from services.gateway.openapi import openapi_spec
 from shared import protocol
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, TokenChunk
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, SchedulerStats,
+                             TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -95,6 +96,9 @@ class GatewayService:
         self.keys: KeyStore | None = None
         self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
         self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
+        self._schedulers_seen: dict[str, float] = {}
+        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
+        self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -109,6 +113,8 @@ class GatewayService:
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
+        await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
+        self._watchdog = asyncio.create_task(self._watch_schedulers())
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -118,6 +124,7 @@ class GatewayService:
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
+        self._watchdog.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -143,6 +150,24 @@ class GatewayService:
             queue.put_nowait(protocol.decode(TokenChunk, msg.data))
         except protocol.ProtocolError as exc:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
+
+    async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
+        self._schedulers_seen[stats.scheduler_id] = time.monotonic()
+
+    async def _watch_schedulers(self) -> None:
+        """A request held by a scheduler that died (no stats for a while) and not yet started
+        ends with an error instead of silence until its deadline."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for rid, scheduler_id in list(self._held_by.items()):
+                seen = self._schedulers_seen.get(scheduler_id)
+                if seen is not None and now - seen > self.scheduler_dead_after:
+                    self._held_by.pop(rid, None)
+                    queue = self._streams.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
+                            code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
@@ -270,8 +295,9 @@ class GatewayService:
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
-            await self._submit(gen)
+            self._held_by[rid] = await self._submit(gen)
             first = await queue.get()
+            self._held_by.pop(rid, None)
             if first.error is not None:
                 finished = True
                 raise oa.from_engine_error(first.error.code, first.error.message)
@@ -286,11 +312,13 @@ class GatewayService:
             timer.cancel()
             self.metrics.active.dec()
             self._streams.pop(rid, None)
+            self._held_by.pop(rid, None)
             if not finished:  # the client left, or something broke: free the engine's blocks now
                 self.metrics.cancels.inc()
                 await asyncio.shield(self._cancel(gen))
 
-    async def _submit(self, gen: GenerateRequest) -> None:
+    async def _submit(self, gen: GenerateRequest) -> str:
+        """Hand the request to a scheduler; returns the id of the scheduler that took it."""
         try:
             reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout)
         except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError):
@@ -299,6 +327,7 @@ class GatewayService:
         ack = protocol.decode(GenerateAck, reply.data)
         if not ack.accepted:
             raise oa.from_engine_error(ack.error.code, ack.error.message)
+        return ack.replica_id
 
     async def _cancel(self, gen: GenerateRequest) -> None:
         try:

@@ -1,0 +1,139 @@
+"""KV-aware routing with real NATS, Valkey, three engine workers and two schedulers."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from shared import keys, protocol
+from shared.bus import Bus
+from shared.localstack import LocalStack
+from shared.store import connect_redis
+from tests.helpers import new_request, stream_request
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def stack(infra, tiny_model_dir, tmp_path_factory):
+    s = LocalStack(str(tiny_model_dir), engines=3, schedulers=2, nats_url=infra.nats_url, redis_url=infra.redis_url,
+                   engine_args=["--num-kv-blocks", "256", "--lease-ttl", "2"],
+                   log_dir=tmp_path_factory.mktemp("routing-logs"))
+    s.start()
+    time.sleep(1.5)  # every scheduler has heard every engine's heartbeat
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+async def bus(infra):
+    b = await Bus.connect(infra.nats_url, "test-routing")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def redis(infra):
+    r = connect_redis(infra.redis_url)
+    yield r
+    await r.aclose()
+
+
+def request(tokens, max_tokens=4):
+    req = new_request(tokens, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    req.model = MODEL
+    return req
+
+
+async def run(bus, tokens, max_tokens=4):
+    chunks = await stream_request(bus, protocol.GENERATE, request(tokens, max_tokens))
+    assert chunks[-1].finish_reason == "length", chunks[-1]
+    return chunks[-1]
+
+
+async def test_a_repeated_long_prefix_lands_on_the_replica_that_holds_it(stack, bus):
+    rng = random.Random(7)
+    prefix = [rng.randrange(8, 4000) for _ in range(320)]  # 20 blocks
+    first = await run(bus, prefix + [11, 12])
+    await asyncio.sleep(0.3)  # its KV events reach the index
+    for i in range(6):
+        final = await run(bus, prefix + [rng.randrange(8, 4000) for _ in range(5 + i)])
+        assert final.replica_id == first.replica_id
+        assert final.usage.cached_tokens >= 320
+
+
+async def test_distinct_prefixes_spread_over_replicas(stack, bus):
+    rng = random.Random(11)
+    finals = await asyncio.gather(*(run(bus, [rng.randrange(8, 4000) for _ in range(200)], max_tokens=30)
+                                    for _ in range(12)))
+    assert len({f.replica_id for f in finals}) == 3
+
+
+async def index_holders_of(redis, replica_id) -> int:
+    count = 0
+    async for key in redis.scan_iter(match=keys.prefix_block(MODEL, 0)[:-1] + "*", count=1000):
+        if replica_id.encode() in await redis.smembers(key):
+            count += 1
+    return count
+
+
+async def test_an_indexer_that_missed_events_resyncs_from_the_snapshot(stack, bus, redis):
+    rng = random.Random(3)
+    await run(bus, [rng.randrange(8, 4000) for _ in range(100)])
+    await asyncio.sleep(0.3)
+    # Lose the index of every replica, as after a Valkey restart or an indexer that was down.
+    for i in range(3):
+        rid = f"engine-{i}"
+        await redis.delete(keys.replica_blocks_seq(MODEL, rid))
+        async for key in redis.scan_iter(match=keys.prefix_block(MODEL, 0)[:-1] + "*", count=1000):
+            await redis.srem(key, rid)
+        await redis.delete(keys.replica_blocks(MODEL, rid))
+    final = await run(bus, [rng.randrange(8, 4000) for _ in range(100)])  # its events reveal the gap
+    holder = final.replica_id
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        indexed = {int(h) for h in await redis.smembers(keys.replica_blocks(MODEL, holder))}
+        snapshot = protocol.decode(protocol.KvSnapshot, (await bus.request(
+            protocol.engine_kv_snapshot(holder), protocol.KvSnapshotRequest(), timeout=5)).data)
+        if indexed and indexed == set(snapshot.block_hashes):
+            break
+        await asyncio.sleep(0.1)
+    assert indexed == set(snapshot.block_hashes) and len(indexed) > 6
+
+
+async def test_killing_a_scheduler_under_load_loses_nothing_beyond_what_it_held(stack, bus):
+    rng = random.Random(5)
+    results = []
+
+    async def one():
+        chunks = await stream_request(bus, protocol.GENERATE,
+                                      request([rng.randrange(8, 4000) for _ in range(50)], 20), timeout=30)
+        results.append(chunks[-1])
+
+    tasks = [asyncio.create_task(one()) for _ in range(20)]
+    await asyncio.sleep(0.05)
+    stack.services["scheduler-1"].kill()
+    stack.services.pop("scheduler-1").wait(10)
+    await asyncio.gather(*tasks)
+    more = await asyncio.gather(*(run(bus, [rng.randrange(8, 4000) for _ in range(40)]) for _ in range(10)))
+    assert all(f.finish_reason == "length" for f in more)  # the survivor takes everything now
+    completed = sum(r.finish_reason == "length" for r in results)
+    assert completed + sum(r.error is not None for r in results) == 20  # nothing ended in silence
+
+
+async def test_a_killed_replica_leaves_routing_and_the_index_within_its_lease(stack, bus, redis):
+    rng = random.Random(9)
+    final = await run(bus, [rng.randrange(8, 4000) for _ in range(150)])
+    victim = final.replica_id
+    await asyncio.sleep(0.3)
+    assert await redis.scard(keys.replica_blocks(MODEL, victim)) > 0
+    stack.services[victim].kill()
+    stack.services.pop(victim).wait(10)
+    killed = time.monotonic()
+    while await redis.exists(keys.replica_blocks(MODEL, victim)) or await redis.exists(keys.replica(victim)):
+        assert time.monotonic() - killed < 2.0 + 2.5, "replica still registered or indexed"
+        await asyncio.sleep(0.1)
+    assert await index_holders_of(redis, victim) == 0
+    for _ in range(6):  # nothing is routed to it any more
+        assert (await run(bus, [rng.randrange(8, 4000) for _ in range(30)])).replica_id != victim
