@@ -180,6 +180,7 @@ class LocalStack:
     redis_url: str = ""
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
     api_key: str = ""
     log_dir: Path | None = None
     deployment: str = ""
@@ -201,7 +202,8 @@ class LocalStack:
             for i in range(self.engines):
                 self.start_engine(f"engine-{i}")
             for i in range(self.schedulers):
-                self._spawn(f"scheduler-{i}", ["services.scheduler", "--scheduler-id", f"scheduler-{i}", *common])
+                self._spawn(f"scheduler-{i}", ["services.scheduler", "--scheduler-id", f"scheduler-{i}",
+                                               *self.scheduler_args, *common])
             self._spawn("gateway", ["services.gateway", "--model", self.model_dir, "--port", str(self.port),
                                     "--gateway-id", "gateway-0", *self.gateway_args, *common])
             self.api_key = self._ensure_key()

@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--dtype", default="auto")
     e.add_argument("--device", default="cpu")
     e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--threads", type=int, default=0, help="torch threads for the model (0: torch's default)")
     e.add_argument("--debug-step-delay", type=float, default=0.0, help="test only: slow every step down")
     Settings.add_arguments(p)
     return p.parse_args(argv)
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
     engine_args = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-                       attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay)
+                       attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay,
+                       num_threads=args.threads)
     cfg = WorkerConfig(model_dir=settings.model, replica_id=args.replica_id,
                        deployment=args.deployment or protocol.served_model_name(settings.model),
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,

@@ -23,6 +23,7 @@ class EngineArgs:
     cpu_kv_cache_max_bytes: int = 2 << 30
     enable_cuda_graphs: bool = True
     seed: int = 0
+    num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default, one per core)
     # Test-only: sleep this long in every step, to make a slow runtime on purpose.
     debug_step_delay_s: float = 0.0
 

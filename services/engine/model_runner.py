@@ -48,6 +48,8 @@ class ModelRunner:
         self.dtype = self._resolve_dtype(args.dtype)
         if self.device.type == "cpu":
             _keep_freed_memory_on_cpu()
+            if args.num_threads:
+                torch.set_num_threads(args.num_threads)
         self.ops = select_ops(self.device, args.attention_backend)
         self.model = LlamaModel(config, self.dtype, self.device, self.ops)
         self.block_size = args.block_size

@@ -252,5 +252,30 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: dict) -> 
             "model": model, "choices": [], "usage": usage}
 
 
+def strata_extension(final: TokenChunk, published: float, first_chunk_at: float, done: float) -> dict:
+    """Where the request's time went, by layer (seconds), and which replica served it.
+    Hop timestamps come from different processes: on one machine their clocks agree; across
+    machines the bus figures include clock skew."""
+    ts = final.timestamps or {}
+    t = final.timings or {}
+    arrival = ts.get("gateway_received", published)
+    received = ts.get("scheduler_received", published)
+    dequeued = ts.get("scheduler_dequeued", received)
+    routed = ts.get("scheduler_routed", dequeued)
+    engine_received = ts.get("engine_received", routed)
+    engine_first = ts.get("engine_first_chunk", engine_received)
+    timings = {
+        "gateway": published - arrival,
+        "admission_wait": dequeued - received,
+        "routing": routed - dequeued,
+        "bus": (received - published) + (engine_received - routed) + max(first_chunk_at - engine_first, 0.0),
+        "engine_queue": t.get("engine_queue", 0.0),
+        "engine_prefill": t.get("engine_prefill", 0.0),
+        "engine_decode": t.get("engine_decode", 0.0),
+        "e2e": done - arrival,
+    }
+    return {"replica_id": final.replica_id, "timings": {k: round(max(v, 0.0), 6) for k, v in timings.items()}}
+
+
 def now() -> int:
     return int(time.time())

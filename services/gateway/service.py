@@ -295,17 +295,20 @@ class GatewayService:
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
+            published = time.time()
             self._held_by[rid] = await self._submit(gen)
             first = await queue.get()
+            first_at = time.time()
             self._held_by.pop(rid, None)
             if first.error is not None:
                 finished = True
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
+            times = (arrival, published, first_at)
             if parsed.stream:
-                response = await self._stream(request, parsed, model, gen, first, queue, arrival)
+                response = await self._stream(request, parsed, model, gen, first, queue, times)
             else:
-                response = await self._collect(parsed, model, gen, first, queue, arrival)
+                response = await self._collect(parsed, model, gen, first, queue, times)
             finished = True
             return response
         finally:
@@ -345,7 +348,8 @@ class GatewayService:
             chunk = await queue.get()
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
-                       queue: asyncio.Queue, arrival: float) -> web.Response:
+                       queue: asyncio.Queue, times: tuple[float, float, float]) -> web.Response:
+        arrival, published, first_at = times
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
@@ -361,11 +365,15 @@ class GatewayService:
         else:
             body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                       oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
+        extension = oa.strata_extension(final, published, first_at, time.time())
+        body["strata"] = extension
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
-        return web.json_response(body, headers={"x-request-id": gen.request_id})
+        return web.json_response(body, headers={"x-request-id": gen.request_id,
+                                                "x-strata-timings": json.dumps(extension["timings"])})
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
-                      first: TokenChunk, queue: asyncio.Queue, arrival: float) -> web.StreamResponse:
+                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float, float]) -> web.StreamResponse:
+        arrival, published, first_at = times
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": gen.request_id})
         await response.prepare(request)
@@ -384,17 +392,21 @@ class GatewayService:
                 await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
                 await response.write_eof()
                 return response
+            extension = {}
+            if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
+                extension = {"strata": oa.strata_extension(chunk, published, first_at, time.time())}
+            on_last = {} if parsed.include_usage else extension
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
                 delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
                 await send({**oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason, logprobs),
-                            **usage_null})
+                            **usage_null, **on_last})
             else:
                 logprobs = oa.logprobs_completion([chunk], model.decode_token)
                 await send({**oa.completion_body(rid, model.name, created, chunk.text, chunk.finish_reason,
-                                                  logprobs, None, chunk=True), **usage_null})
+                                                  logprobs, None, chunk=True), **usage_null, **on_last})
             if chunk.is_final and parsed.include_usage:
-                await send(oa.usage_chunk(rid, model.name, created, parsed.chat, oa.usage_dict(chunk)))
+                await send({**oa.usage_chunk(rid, model.name, created, parsed.chat, oa.usage_dict(chunk)), **extension})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)

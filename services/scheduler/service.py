@@ -224,6 +224,7 @@ class SchedulerService:
                     if not candidates or all(r.saturated for r in candidates):
                         break
                     item = queue.pop()
+                    item.payload.timestamps["scheduler_dequeued"] = time.time()
                     self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
                     self._dispatched += 1
                     await self.route(item.payload)

@@ -272,3 +272,17 @@ async def test_health_metrics_and_openapi(stack):
                             headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
             spec = await resp.json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+
+
+def test_layer_timings_add_up_to_the_end_to_end_latency(client):
+    r = client.completions.with_raw_response.create(model=MODEL, prompt="Timing " * 30, max_tokens=40,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+    body = json.loads(r.text)
+    timings = body["strata"]["timings"]
+    assert json.loads(r.headers["x-strata-timings"]) == timings
+    assert body["strata"]["replica_id"] == "engine-0"
+    parts = sum(v for k, v in timings.items() if k != "e2e")
+    # Every stretch of the request is in one layer; what is left is the gateway's response
+    # writing and scheduling gaps between hops (stated tolerance: 5 ms or 10%).
+    assert abs(timings["e2e"] - parts) <= max(0.005, 0.1 * timings["e2e"]), timings
+    assert timings["engine_decode"] > 0 and timings["engine_prefill"] > 0
