@@ -52,3 +52,4 @@ def deployment_revisions(name: str) -> str:
 
 
 DEPLOYMENTS = f"{PREFIX}:deployments"
+MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica

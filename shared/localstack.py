@@ -119,7 +119,8 @@ class LocalInfra:
         port = port or free_port()
         store = self.workdir / f"nats-{port}"
         cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._logfile("nats", port))
+        with self._logfile("nats", port) as log_file:  # the child keeps its own descriptor
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
         managed = ManagedProcess("nats", proc, port, f"nats://127.0.0.1:{port}")
         self.processes.append(managed)
         _wait_for(lambda: _nats_ready(port), "nats-server", proc, timeout)
@@ -130,7 +131,8 @@ class LocalInfra:
         port = port or free_port()
         cmd = [valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"]
-        proc = subprocess.Popen(cmd, stdout=self._logfile("valkey", port), stderr=subprocess.STDOUT)
+        with self._logfile("valkey", port) as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         managed = ManagedProcess("valkey", proc, port, f"redis://127.0.0.1:{port}/0")
         self.processes.append(managed)
         _wait_for(lambda: _valkey_ready(port), "valkey-server", proc, timeout)
@@ -220,8 +222,8 @@ class LocalStack:
                                         *self.engine_args, *extra])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log_file = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT)
+        with open(self.log_dir / f"{name}.log", "ab") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT)
         self.services[name] = proc
         return proc
 

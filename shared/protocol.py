@@ -9,6 +9,7 @@ other teams' services.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -218,7 +219,10 @@ def _checker(hint: Any):
         def check_float(value, where):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-            return float(value)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ProtocolError(f"{where}: expected a finite number, got {value}")
+            return value
         return check_float
     if hint is int:
         def check_int(value, where):
@@ -304,6 +308,15 @@ class GenerateRequest(Message):
             raise ProtocolError("GenerateRequest: reply_to must not be empty")
         if self.prompt is None and self.prompt_token_ids is None:
             raise ProtocolError("GenerateRequest: one of 'prompt' or 'prompt_token_ids' is required")
+        if any(c in self.reply_to for c in "*> \t\r\n") or self.reply_to.startswith(".") or ".." in self.reply_to:
+            raise ProtocolError(f"GenerateRequest: reply_to {self.reply_to!r} is not a valid subject")
+        if self.prompt_token_ids is not None and any(not 0 <= t < 2**63 for t in self.prompt_token_ids):
+            raise ProtocolError("GenerateRequest: prompt_token_ids must be in [0, 2**63)")
+        s = self.sampling
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(s, name)
+            if value is not None and not -2**63 <= value < 2**63:
+                raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
 
 
 @dataclass
@@ -407,6 +420,7 @@ class KvEventBatch(Message):
     stored: list[KvBlockStored] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     cleared: bool = False  # the engine dropped its whole cache before these events
+    epoch: str = ""  # changes when the engine restarts (its seq starts again at 1)
 
 
 @dataclass
@@ -414,6 +428,7 @@ class KvSnapshot(Message):
     replica_id: str
     seq: int  # the event seq this snapshot is consistent with
     block_hashes: list[int] = field(default_factory=list)
+    epoch: str = ""
 
 
 @dataclass

@@ -14,6 +14,7 @@ async def refresh(redis: aioredis.Redis, replica_id: str, model: str, fields: di
         pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})
         pipe.pexpire(key, int(ttl * 1000))
         pipe.sadd(keys.model_replicas(model), replica_id)
+        pipe.sadd(keys.MODELS, model)
         await pipe.execute()
 
 
@@ -51,10 +52,4 @@ async def sweep(redis: aioredis.Redis, model: str) -> tuple[dict[str, dict[str, 
 
 async def models(redis: aioredis.Redis) -> list[str]:
     """Models that have (or had) registered replicas."""
-    pattern = keys.model_replicas("*")
-    prefix, suffix = pattern.split("*")
-    found = []
-    async for key in redis.scan_iter(match=pattern, count=500):
-        name = key.decode()
-        found.append(name[len(prefix):len(name) - len(suffix)])
-    return found
+    return sorted(m.decode() for m in await redis.smembers(keys.MODELS))

@@ -60,6 +60,12 @@ def test_int_is_accepted_where_a_float_is_expected():
     (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p",
            "sampling": "greedy"}), "sampling: expected a map"),
     (pack({"v": 1, "request_id": "", "model": "m", "reply_to": "x", "prompt": "p"}), "request_id must not be empty"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p", "deadline": float("nan")}),
+     "finite number"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt_token_ids": [2**63]}), "[0, 2**63)"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "a.*", "prompt": "p"}), "not a valid subject"),
+    (pack({"v": 1, "request_id": "r", "model": "m", "reply_to": "x", "prompt": "p", "sampling": {"top_k": 2**64 - 1}}),
+     "64-bit range"),
 ])
 def test_malformed_payloads_raise_the_clear_error(payload, needle):
     with pytest.raises(ProtocolError) as info:

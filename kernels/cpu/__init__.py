@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,13 +29,23 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("STRATA_KERNEL_CACHE", Path.home() / ".cache" / "strata" / "kernels"))
 
 
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
 def _build() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
     flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    # -march=native: the object is only valid on this CPU model, so the CPU is part of the key.
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"strata_cpu_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

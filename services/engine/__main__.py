@@ -62,13 +62,16 @@ def main(argv=None) -> int:
                        http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
                        drain_timeout=args.drain_timeout, engine_args=engine_args)
 
+    exit_code = [0]
+
     async def run() -> None:
         worker = EngineWorker(cfg)
         await worker.start()
         await worker.run()
+        exit_code[0] = worker.exit_code
 
     aio.run(run())
-    return 0
+    return exit_code[0]
 
 
 if __name__ == "__main__":

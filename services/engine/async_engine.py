@@ -39,6 +39,13 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; every open stream gets it."""
 
 
+class StepFailedError(RuntimeError):
+    """A step failed; the requests it held were aborted (the engine serves on)."""
+
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
 class RequestStream:
     """Async iterator over one request's step outputs; ends after the finished one."""
 
@@ -77,10 +84,14 @@ class AsyncLLMEngine:
     """`engine_factory` builds the LLMEngine inside the loop thread: torch runs 15-25% slower on
     CPU when a model built on one thread is stepped from another (OpenMP thread teams)."""
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine], on_step: Callable[[KvEvents], None] | None = None):
+    def __init__(self, engine_factory: Callable[[], LLMEngine],
+                 on_kv_events: Callable[[int, KvEvents], None] | None = None):
         self._factory = engine_factory
         self.engine: LLMEngine | None = None
-        self.on_step = on_step  # called on the event loop after each step with its KV events
+        # Called on the event loop with each step's KV events and their batch seq, numbered on
+        # the engine thread so that a snapshot can say exactly which batches it includes.
+        self.on_kv_events = on_kv_events
+        self.kv_seq = 0  # engine thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -138,9 +149,9 @@ class AsyncLLMEngine:
             self._commands.put(("abort", request_id))
             self._wake.set()
 
-    async def kv_snapshot(self) -> set[int]:
-        """Block hashes cached right now. KV events drained up to this point are delivered to
-        on_step before this returns, so a consumer can line the snapshot up with the events."""
+    async def kv_snapshot(self) -> tuple[int, set[int]]:
+        """(seq, block hashes cached right now): the snapshot includes every KV event batch up
+        to seq, and those batches reach on_kv_events before this returns."""
         future = asyncio.get_running_loop().create_future()
         self._commands.put(("snapshot", future))
         self._wake.set()
@@ -154,6 +165,7 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_fail, built, exc)
             return
         self._loop.call_soon_threadsafe(_resolve, built, None)
+        failures = 0
         try:
             while not self._stop.is_set():
                 self._apply_commands()
@@ -161,9 +173,21 @@ class AsyncLLMEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
-                events = engine.drain_kv_events()
-                self._loop.call_soon_threadsafe(self._deliver, outputs, events)
+                try:
+                    outputs = engine.step()
+                    failures = 0
+                except Exception as exc:  # one bad step must not take the replica down
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    log.exception("engine step failed: aborting the requests it held")
+                    failed = list(engine.requests)
+                    for rid in failed:
+                        engine.abort_request(rid)  # frees their blocks
+                    engine.discard_pending_outputs()
+                    self._loop.call_soon_threadsafe(self._fail_requests, failed, exc)
+                    continue
+                self._loop.call_soon_threadsafe(self._deliver, outputs, *self._number(engine.drain_kv_events()))
         except BaseException as exc:  # the loop is dead: tell every stream, once
             log.exception("engine loop failed")
             self.error = exc
@@ -181,12 +205,17 @@ class AsyncLLMEngine:
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
             else:  # snapshot
-                events = self.engine.drain_kv_events()
+                seq, events = self._number(self.engine.drain_kv_events())
                 hashes = self.engine.block_manager.cached_block_hashes()
-                self._loop.call_soon_threadsafe(self._deliver, [], events)
-                self._loop.call_soon_threadsafe(_resolve, command[1], hashes)
+                self._loop.call_soon_threadsafe(self._deliver, [], seq, events)
+                self._loop.call_soon_threadsafe(_resolve, command[1], (self.kv_seq, hashes))
 
-    def _deliver(self, outputs: list[RequestOutput], events: KvEvents) -> None:
+    def _number(self, events: KvEvents) -> tuple[int, KvEvents]:
+        if events:
+            self.kv_seq += 1
+        return self.kv_seq, events
+
+    def _deliver(self, outputs: list[RequestOutput], seq: int, events: KvEvents) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -195,8 +224,14 @@ class AsyncLLMEngine:
             self.tokens_generated += len(out.new_token_ids)
             if out.finished:
                 del self._streams[out.request_id]
-        if self.on_step is not None and events:
-            self.on_step(events)
+        if self.on_kv_events is not None and events:
+            self.on_kv_events(seq, events)
+
+    def _fail_requests(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(StepFailedError(f"engine step failed: {exc.__class__.__name__}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():

@@ -11,14 +11,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = max_model_len
-        # The vocabulary the model accepts may be padded beyond the tokenizer's.
-        self.vocab_size = max(config.vocab_size, len(tokenizer))
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
             text, ids = prompt, self.tokenizer.encode(prompt)
+            if any(t >= self.config.vocab_size for t in ids):  # a tokenizer larger than the embedding
+                raise InvalidRequestError("the prompt tokenizes to ids outside the model's vocabulary", "prompt")
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")

@@ -77,6 +77,9 @@ class LLMEngine:
         self._aborted.append(self._output(seq))
         return True
 
+    def discard_pending_outputs(self) -> None:
+        self._aborted = []
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or aborted ones whose final output is not out yet."""
         return self.scheduler.has_unfinished() or bool(self._aborted)

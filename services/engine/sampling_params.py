@@ -39,9 +39,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T: treated as greedy
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:
@@ -57,8 +59,8 @@ class SamplingParams:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k > vocab_size:
+            raise bad("top_k", f"must be -1 (off) or an integer in [1, {vocab_size}], got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -69,8 +71,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            raise bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:

@@ -13,13 +13,14 @@ import os
 import signal
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from services.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, StepFailedError
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
@@ -71,20 +72,24 @@ class EngineWorker:
         self.http_url = ""
         self._tenants: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._kv_queue: asyncio.Queue[KvEvents | None] = asyncio.Queue()
-        self._kv_seq = 0
+        self._kv_queue: asyncio.Queue[tuple[int, KvEvents]] = asyncio.Queue()
+        self.epoch = uuid.uuid4().hex[:12]  # KV event numbering restarts with the process
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._last_tokens = (time.monotonic(), 0)
         self._last_heartbeat = 0.0
         self._tokens_per_s = 0.0
+        self.exit_code = 0
+        self._drain_aborted: set[str] = set()
+        self._early_cancels: dict[str, tuple[float, str | None]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
         structlog.contextvars.bind_contextvars(replica_id=cfg.replica_id)
         args = EngineArgs.from_kwargs(**cfg.engine_args)
-        self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args), on_step=self._kv_queue.put_nowait)
+        self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args),
+                                     on_kv_events=lambda seq, events: self._kv_queue.put_nowait((seq, events)))
         await self.engine.start()
         engine = self.engine.engine
         self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}")
@@ -128,7 +133,8 @@ class EngineWorker:
         while self.engine.num_open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self._tenants):
-            self.engine.abort(rid)  # past the timeout: they end with finish_reason "abort"
+            self._drain_aborted.add(rid)
+            self.engine.abort(rid)  # past the timeout: they end with an `unavailable` error
         streams = [t for t in self._tasks if t.get_name().startswith("stream:")]
         if streams:
             await asyncio.wait(streams, timeout=5)
@@ -164,6 +170,10 @@ class EngineWorker:
             return
         if req.deadline is not None and req.deadline <= time.time():
             await self._refuse(req, raw, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the request arrived")
+            return
+        early = self._early_cancels.pop(req.request_id, None)
+        if early is not None and early[1] == req.tenant:
+            await self._refuse(req, raw, ErrorCode.CANCELLED, "the request was cancelled before it arrived")
             return
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
         try:
@@ -209,6 +219,10 @@ class EngineWorker:
                 if expired and outs[-1].finished:
                     await self._final_error(req, seq_no, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded")
                     return
+                if req.request_id in self._drain_aborted and outs[-1].finished:
+                    await self._final_error(req, seq_no, ErrorCode.UNAVAILABLE,
+                                            "the replica shut down before the request finished")
+                    return
                 chunk = self._chunk(req, seq_no, outs)
                 now = time.monotonic()
                 if chunk.token_ids:
@@ -226,7 +240,7 @@ class EngineWorker:
                 if chunk.is_final:
                     self._record_final(outs[-1], arrival)
                     return
-        except EngineDeadError as exc:
+        except (EngineDeadError, StepFailedError) as exc:
             await self._final_error(req, seq_no, ErrorCode.INTERNAL, str(exc))
         except Exception:
             log.exception("stream failed")
@@ -284,45 +298,46 @@ class EngineWorker:
     # ---- cancel, KV events, heartbeats -------------------------------------------------------
     async def on_cancel(self, msg: Cancel, raw) -> None:
         if msg.request_id not in self._tenants:
-            return  # not ours (every engine hears every cancel)
+            # Not ours, or not here yet (the cancel overtook its generate message): remember it
+            # for a while so a late generate is refused instead of running for nobody.
+            self._early_cancels[msg.request_id] = (time.monotonic(), msg.tenant)
+            return
         owner = self._tenants[msg.request_id]
-        if msg.tenant is not None and owner is not None and msg.tenant != owner:
+        if owner is not None and msg.tenant != owner:
             log.warning("cancel refused: tenant mismatch", request_id=msg.request_id)
             return
         log.info("cancel", request_id=msg.request_id)
         self.engine.abort(msg.request_id)
 
     async def _publish_kv_events(self) -> None:
+        """In order, one batch per engine step that changed the cache; the first batch of this
+        process says `cleared` (a restarted engine starts empty)."""
         subject = protocol.kv_events(self.cfg.deployment, self.cfg.replica_id)
         while True:
-            events = await self._kv_queue.get()
-            if not events:
-                continue
-            self._kv_seq += 1
-            batch = KvEventBatch(replica_id=self.cfg.replica_id, model=self.cfg.deployment, seq=self._kv_seq,
+            seq, events = await self._kv_queue.get()
+            batch = KvEventBatch(replica_id=self.cfg.replica_id, model=self.cfg.deployment, seq=seq,
                                  stored=[KvBlockStored(block_hash=h, parent_hash=p) for h, p in events.stored],
-                                 removed=list(events.removed))
+                                 removed=list(events.removed), cleared=seq == 1, epoch=self.epoch)
             try:
                 await self.bus.publish(subject, batch)
             except Exception as exc:  # a lost batch shows as a gap; the indexer resyncs
                 log.warning("kv event publish failed", error=str(exc))
 
     async def on_kv_snapshot(self, _req: KvSnapshotRequest, raw) -> None:
-        hashes = await self.engine.kv_snapshot()
-        # Events drained with the snapshot sit in the queue ahead of nothing else: publish them
-        # first, so the snapshot's seq covers them.
-        while not self._kv_queue.empty():
-            await asyncio.sleep(0)
+        seq, hashes = await self.engine.kv_snapshot()
         if raw.reply:
-            await self.bus.publish(raw.reply, KvSnapshot(replica_id=self.cfg.replica_id, seq=self._kv_seq,
-                                                         block_hashes=sorted(hashes)))
+            await self.bus.publish(raw.reply, KvSnapshot(replica_id=self.cfg.replica_id, seq=seq,
+                                                         block_hashes=sorted(hashes), epoch=self.epoch))
 
     def heartbeat(self) -> Heartbeat:
         stats = self.engine.engine.stats()
         queries = stats["prefix_cache_queries"]
         return Heartbeat(
             replica_id=self.cfg.replica_id, model=self.cfg.deployment, deployment=self.cfg.deployment,
-            state=self.state, running=stats["running"], waiting=stats["waiting"],
+            # Requests handed to the engine thread but not yet in its scheduler count as waiting:
+            # a report that missed them would draw more work to a replica that already has it.
+            state=self.state, running=stats["running"],
+            waiting=max(self.engine.num_open_streams - stats["running"], stats["waiting"]),
             kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
             tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
@@ -355,6 +370,16 @@ class EngineWorker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
+            cutoff = time.monotonic() - 30.0
+            for rid, (at, _) in list(self._early_cancels.items()):
+                if at < cutoff:
+                    del self._early_cancels[rid]
+            if self.engine.error is not None and self.state != "failed":
+                # The engine loop is dead: stop advertising, leave, exit non-zero to be restarted.
+                log.error("engine failed; leaving the fleet", error=str(self.engine.error))
+                self.state = "failed"
+                self.exit_code = 1
+                self._stopping.set()
             try:
                 await self._heartbeat_once()
             except Exception as exc:  # NATS or Redis away: keep trying, the lease tells the truth

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -41,10 +42,11 @@ async def create_key(redis: aioredis.Redis, name: str, rpm: int = 0, tpm: int = 
 class KeyStore:
     """Looks keys up in Redis with a short local cache, and enforces the per-minute limits."""
 
-    def __init__(self, redis: aioredis.Redis, cache_ttl: float = 10.0):
+    def __init__(self, redis: aioredis.Redis, cache_ttl: float = 10.0, cache_size: int = 10_000):
         self.redis = redis
         self.cache_ttl = cache_ttl
-        self._cache: dict[str, tuple[ApiKey | None, float]] = {}
+        self.cache_size = cache_size  # bounded: random bearer tokens must not grow memory
+        self._cache: OrderedDict[str, tuple[ApiKey | None, float]] = OrderedDict()
 
     async def lookup(self, api_key: str) -> ApiKey | None:
         h = hash_key(api_key)
@@ -64,6 +66,9 @@ class KeyStore:
             record = ApiKey(h, f["tenant"], int(f.get("rpm", 0)), int(f.get("tpm", 0)),
                             f.get("priority", "standard"), f.get("admin", "0") == "1")
         self._cache[h] = (record, now + self.cache_ttl)
+        self._cache.move_to_end(h)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
         return record
 
     async def charge(self, key: ApiKey, tokens: int) -> tuple[str, float] | None:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import SamplingSpec, TokenChunk
+from shared.protocol import SamplingSpec, TokenChunk, Usage
 
 
 class ApiError(Exception):
@@ -51,13 +51,17 @@ class ParsedRequest:
     extra: dict = field(default_factory=dict)
 
 
+INT64 = (-2**63, 2**63 - 1)
+
+
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
     value = body.get(name, default)
     if value is None:
         return default
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (
+            not integer and value != value) or not INT64[0] <= value <= INT64[1]:
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'} in range", name)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value}", name)
     if hi is not None and value > hi:
@@ -81,17 +85,16 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
     if max_tokens is None:
         max_tokens = max_tokens_default
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
         raise bad(f"'{param}' must be an integer >= 1", param)
-    top_k = _number(body, "top_k", -1, integer=True)
-    if top_k == 0 or top_k < -1:
+    top_k = _number(body, "top_k", -1, -1, 2**31 - 1, integer=True)
+    if top_k == 0:
         raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("'seed' must be an integer", "seed")
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                 for t in stop_ids):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    seed = _number(body, "seed", None, integer=True)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be a boolean", "ignore_eos")
@@ -141,7 +144,8 @@ def parse_completion(body: Any) -> ParsedRequest:
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
         text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
+                                                     for t in prompt):
         ids = prompt
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise bad("batched prompts are not supported: send one prompt per request", "prompt")
@@ -192,7 +196,7 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
 
 # ---- responses ---------------------------------------------------------------------------------
 def usage_dict(chunk: TokenChunk) -> dict:
-    u = chunk.usage
+    u = chunk.usage or Usage(prompt_tokens=0, completion_tokens=0)
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

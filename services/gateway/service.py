@@ -98,6 +98,7 @@ class GatewayService:
         self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
         self._schedulers_seen: dict[str, float] = {}
         self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
+        self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -151,6 +152,11 @@ class GatewayService:
         except protocol.ProtocolError as exc:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
 
+    def _spawn_cancel(self, rid: str) -> None:
+        task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=rid,
+                                                                              tenant=self._tenants.get(rid))))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
     async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
         self._schedulers_seen[stats.scheduler_id] = time.monotonic()
 
@@ -166,12 +172,15 @@ class GatewayService:
                     self._held_by.pop(rid, None)
                     queue = self._streams.get(rid)
                     if queue is not None:
+                        # In case an engine does have it after all: it must not run for nobody.
+                        self._spawn_cancel(rid)
                         queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
                             code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
-        endpoint = request.path
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"  # bounded label values
         try:
             response = await handler(request)
         except ApiError as exc:
@@ -287,6 +296,7 @@ class GatewayService:
                               timestamps={"gateway_received": arrival})
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue
+        self._tenants[rid] = key.tenant
         self.metrics.active.inc()
         finished = False
         # The engine ends the request at its deadline; if even that final chunk never comes
@@ -301,7 +311,7 @@ class GatewayService:
             first_at = time.time()
             self._held_by.pop(rid, None)
             if first.error is not None:
-                finished = True
+                finished = first.replica_id is not None  # from the engine itself: nothing runs on
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
             times = (arrival, published, first_at)
@@ -316,6 +326,7 @@ class GatewayService:
             self.metrics.active.dec()
             self._streams.pop(rid, None)
             self._held_by.pop(rid, None)
+            self._tenants.pop(rid, None)
             if not finished:  # the client left, or something broke: free the engine's blocks now
                 self.metrics.cancels.inc()
                 await asyncio.shield(self._cancel(gen))
@@ -327,9 +338,14 @@ class GatewayService:
         except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError):
             raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
                            retry_after=1.0) from None
-        ack = protocol.decode(GenerateAck, reply.data)
+        try:
+            ack = protocol.decode(GenerateAck, reply.data)
+        except protocol.ProtocolError as exc:
+            raise ApiError(503, f"the scheduler answered unexpectedly: {exc}", "overloaded_error", None,
+                           "unavailable", retry_after=1.0) from None
         if not ack.accepted:
-            raise oa.from_engine_error(ack.error.code, ack.error.message)
+            error = ack.error or protocol.ErrorInfo(code=ErrorCode.UNAVAILABLE, message="refused by the scheduler")
+            raise oa.from_engine_error(error.code, error.message)
         return ack.replica_id
 
     async def _cancel(self, gen: GenerateRequest) -> None:
@@ -340,12 +356,22 @@ class GatewayService:
 
     @staticmethod
     async def _chunks(first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
-        chunk = first
+        """The stream of one engine: chunks from any other replica are dropped (a request must
+        never interleave two engines' tokens), and a lost chunk ends the stream with an error."""
+        chunk, replica, expected = first, first.replica_id, first.seq
         while True:
+            if chunk.seq >= 0 and chunk.replica_id == replica and chunk.seq != expected:
+                yield TokenChunk(request_id=gen.request_id, seq=chunk.seq, finish_reason="error", error=ErrorInfo(
+                    code=ErrorCode.INTERNAL, message=f"stream message {expected} was lost"))
+                return
+            expected += 1
             yield chunk
             if chunk.is_final:
                 return
-            chunk = await queue.get()
+            while True:
+                chunk = await queue.get()
+                if chunk.seq < 0 or chunk.replica_id in (replica, None):
+                    break
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
                        queue: asyncio.Queue, times: tuple[float, float, float]) -> web.Response:
@@ -416,7 +442,7 @@ class GatewayService:
 async def read_json(request: web.Request):
     try:
         return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise oa.bad("the request body is not valid JSON") from None
 
 

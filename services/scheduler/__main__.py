@@ -23,7 +23,8 @@ def main(argv=None) -> int:
                    help="default routing policy")
     p.add_argument("--policy-for", action="append", default=[], metavar="MODEL=POLICY",
                    help="routing policy of one deployment (repeatable)")
-    p.add_argument("--prefill-weight", type=float, default=1.0, help="kv_aware: weight of blocks to prefill vs load")
+    p.add_argument("--load-weight", type=float, default=8.0,
+                   help="kv_aware: blocks of prefill that one request of load on a replica is worth")
     p.add_argument("--max-queue", type=int, default=1024)
     Settings.add_arguments(p)
     args = p.parse_args(argv)
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
         policies = dict(item.split("=", 1) for item in args.policy_for)
         service = SchedulerService(SchedulerConfig(
             settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
-            prefill_weight=args.prefill_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
+            load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
         await service.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -124,7 +124,9 @@ class AdmissionQueue:
         return max((now - i.enqueued_at for i in self.index.values()), default=0.0)
 
     def note_dispatch_rate(self, dispatched: int, seconds: float, alpha: float = 0.3) -> None:
-        if seconds > 0:
+        """Update the drain rate from a period in which requests were dispatched (a period with
+        none says nothing about the rate once room appears; it would only decay the estimate)."""
+        if seconds > 0 and dispatched > 0:
             rate = dispatched / seconds
             self.drain_rate = rate if self.drain_rate == 0 else (1 - alpha) * self.drain_rate + alpha * rate
 

@@ -1,10 +1,10 @@
 """Routing policies: pure functions of the replicas' state, no I/O (the simulator reuses them).
 
-kv_aware scores each replica by the work the request would cost there: the prompt blocks it
-still has to prefill (those beyond its longest cached prefix) and the load it already carries
-(active KV blocks, plus blocks routed to it since its last report), as Dynamo's KV router does.
-A popular prefix therefore stays on its holder only while the holder is not much busier than
-recomputing the prefix elsewhere: that spreads hot prefixes instead of piling them up.
+kv_aware scores each replica by what the request would cost there, in blocks of prefill work:
+the prompt blocks it still has to compute (those beyond its longest cached prefix) plus its
+load, each request it carries (running, queued, or routed since its last report) counting as
+`load_weight` blocks. A popular prefix therefore stays on its holder only while the holder is
+not much busier than recomputing the prefix elsewhere: hot prefixes spread instead of piling up.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class ReplicaState:
     max_num_seqs: int = 64
     block_size: int = 16
     inflight: int = 0  # requests this scheduler sent since the replica's last report
-    inflight_blocks: int = 0  # their prompt blocks
     last_seen: float = 0.0
 
     @property
@@ -70,8 +69,8 @@ def prefix_overlaps(holders: list[set[str]], replica_ids: list[str]) -> dict[str
 class Router:
     """Chooses replicas; holds only the round-robin cursor and a seeded RNG for ties."""
 
-    def __init__(self, prefill_weight: float = 1.0, seed: int | None = None):
-        self.prefill_weight = prefill_weight
+    def __init__(self, load_weight: float = 8.0, seed: int | None = None):
+        self.load_weight = load_weight
         self.rng = random.Random(seed)
         self._rr = itertools.count()
 
@@ -99,5 +98,4 @@ class Router:
 
     def cost(self, r: ReplicaState, prompt_blocks: int, cached_blocks: int) -> float:
         prefill = prompt_blocks + 1 - cached_blocks  # the partial last block is always computed
-        queued = r.waiting * max(prompt_blocks, 1)  # queued requests delay this one's prefill too
-        return self.prefill_weight * prefill + r.kv_blocks_used + r.inflight_blocks + queued
+        return prefill + self.load_weight * r.load

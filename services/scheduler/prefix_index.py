@@ -12,28 +12,31 @@ import redis.asyncio as aioredis
 
 from shared import keys
 
-# KEYS: seq key, replica set key. ARGV: replica, seq, prefix key prefix, n_stored, stored..., removed...
+# The seq key holds "<epoch>:<seq>": the engine process incarnation and its last applied batch.
+# KEYS: seq key, replica set key. ARGV: replica, epoch, seq, prefix key prefix, n_stored, stored..., removed...
 _APPLY = """
 local cur = redis.call('GET', KEYS[1])
-local seq = tonumber(ARGV[2])
 if not cur then return 'gap' end
-cur = tonumber(cur)
+local sep = string.find(cur, ':', 1, true)
+if string.sub(cur, 1, sep - 1) ~= ARGV[2] then return 'gap' end
+cur = tonumber(string.sub(cur, sep + 1))
+local seq = tonumber(ARGV[3])
 if seq <= cur then return 'dup' end
 if seq > cur + 1 then return 'gap' end
-local replica, prefix, n = ARGV[1], ARGV[3], tonumber(ARGV[4])
-for i = 5, 4 + n do
+local replica, prefix, n = ARGV[1], ARGV[4], tonumber(ARGV[5])
+for i = 6, 5 + n do
   redis.call('SADD', prefix .. ARGV[i], replica)
   redis.call('SADD', KEYS[2], ARGV[i])
 end
-for i = 5 + n, #ARGV do
+for i = 6 + n, #ARGV do
   redis.call('SREM', prefix .. ARGV[i], replica)
   redis.call('SREM', KEYS[2], ARGV[i])
 end
-redis.call('SET', KEYS[1], seq)
+redis.call('SET', KEYS[1], ARGV[2] .. ':' .. seq)
 return 'ok'
 """
 
-# KEYS: seq key, replica set key. ARGV: replica, seq (or -1 to delete), prefix, hashes...
+# KEYS: seq key, replica set key. ARGV: replica, "<epoch>:<seq>" (or "" to delete), prefix, hashes...
 _REPLACE = """
 local replica, prefix = ARGV[1], ARGV[3]
 for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
@@ -44,7 +47,7 @@ for i = 4, #ARGV do
   redis.call('SADD', prefix .. ARGV[i], replica)
   redis.call('SADD', KEYS[2], ARGV[i])
 end
-if tonumber(ARGV[2]) < 0 then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2]) end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2]) end
 return 'ok'
 """
 
@@ -59,20 +62,22 @@ class PrefixIndex:
         self._apply = redis.register_script(_APPLY)
         self._replace = redis.register_script(_REPLACE)
 
-    async def apply(self, model: str, replica_id: str, seq: int, stored: list[int], removed: list[int]) -> str:
+    async def apply(self, model: str, replica_id: str, epoch: str, seq: int, stored: list[int],
+                    removed: list[int]) -> str:
         """'ok', 'dup' (already applied) or 'gap' (resync needed)."""
         result = await self._apply(
             keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
-            args=[replica_id, seq, _prefix(model), len(stored), *stored, *removed])
+            args=[replica_id, epoch, seq, _prefix(model), len(stored), *stored, *removed])
         return result.decode() if isinstance(result, bytes) else result
 
-    async def replace(self, model: str, replica_id: str, seq: int, hashes: list[int]) -> None:
-        """Make the index hold exactly `hashes` for this replica, as of event batch `seq`."""
+    async def replace(self, model: str, replica_id: str, epoch: str, seq: int, hashes) -> None:
+        """Make the index hold exactly `hashes` for this replica, as of its event batch `seq`."""
         await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
-                            args=[replica_id, seq, _prefix(model), *hashes])
+                            args=[replica_id, f"{epoch}:{seq}", _prefix(model), *hashes])
 
     async def remove_replica(self, model: str, replica_id: str) -> None:
-        await self.replace(model, replica_id, -1, [])
+        await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
+                            args=[replica_id, "", _prefix(model)])
 
     async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = 5.0) -> bool:
         return bool(await self.redis.set(keys.resync_lock(model, replica_id), b"1", nx=True, px=int(ttl_s * 1000)))

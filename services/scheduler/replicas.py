@@ -22,7 +22,7 @@ class ReplicaView:
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs = hb.block_size, hb.max_num_seqs
-        r.inflight, r.inflight_blocks, r.last_seen = 0, 0, now
+        r.inflight, r.last_seen = 0, now
         per_model[hb.replica_id] = r
 
     def sync_registry(self, model: str, live: dict[str, dict[str, str]], now: float | None = None) -> None:

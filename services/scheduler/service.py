@@ -39,7 +39,7 @@ class SchedulerConfig:
     scheduler_id: str = "scheduler"
     policy: str = "kv_aware"  # default for deployments that do not choose
     policies: dict[str, str] = field(default_factory=dict)  # deployment -> policy
-    prefill_weight: float = 1.0
+    load_weight: float = 8.0  # kv_aware: blocks of prefill one request of load is worth
     ack_timeout: float = 2.0
     max_attempts: int = 3
     max_queue: int = 1024
@@ -69,9 +69,12 @@ class SchedulerMetrics:
 
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig):
+        for name in [cfg.policy, *cfg.policies.values()]:
+            if name not in POLICIES:
+                raise ValueError(f"unknown routing policy {name!r} (one of {', '.join(POLICIES)})")
         self.cfg = cfg
         self.view = ReplicaView(stale_after=cfg.lease_ttl)
-        self.router = Router(cfg.prefill_weight, cfg.seed)
+        self.router = Router(cfg.load_weight, cfg.seed)
         self.metrics = SchedulerMetrics()
         self.queues: dict[str, AdmissionQueue] = {}
         self.bus: Bus | None = None
@@ -81,7 +84,9 @@ class SchedulerService:
         self._resyncing: set[tuple[str, str]] = set()
         self._deployment_policy: dict[str, str] = {}
         self._wake_dispatch = asyncio.Event()
-        self._dispatched = 0
+        self._dispatched: dict[str, int] = {}  # model -> dispatched from its queue this second
+        self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
+        self._routing: dict[str, str | None] = {}  # request id -> tenant, while waiting for an engine
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,7 +100,7 @@ class SchedulerService:
                                  queue=protocol.SCHEDULER_QUEUE, concurrent=True)
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
         try:
-            await self.sync_registry()
+            await self.sync_registry(deep=True)
         except Exception as exc:
             log.warning("initial registry sync failed", error=str(exc))
         self._spawn(self._registry_loop())
@@ -128,11 +133,14 @@ class SchedulerService:
             self._wake_dispatch.set()
 
     async def on_kv_events(self, batch: KvEventBatch, _raw) -> None:
-        if batch.cleared:
-            outcome = "gap"
+        stored = [s.block_hash for s in batch.stored]
+        if batch.cleared:  # a (re)started engine: its cache began empty
+            await self.index.replace(batch.model, batch.replica_id, batch.epoch, batch.seq,
+                                     set(stored) - set(batch.removed))
+            outcome = "cleared"
         else:
-            outcome = await self.index.apply(batch.model, batch.replica_id, batch.seq,
-                                             [s.block_hash for s in batch.stored], batch.removed)
+            outcome = await self.index.apply(batch.model, batch.replica_id, batch.epoch, batch.seq, stored,
+                                             batch.removed)
         self.metrics.index_events.labels(outcome).inc()
         if outcome == "gap":
             self._spawn(self.resync(batch.model, batch.replica_id))
@@ -147,7 +155,7 @@ class SchedulerService:
             reply = await self.bus.request(protocol.engine_kv_snapshot(replica_id), KvSnapshotRequest(replica_id),
                                            timeout=5)
             snap = protocol.decode(KvSnapshot, reply.data)
-            await self.index.replace(model, replica_id, snap.seq, snap.block_hashes)
+            await self.index.replace(model, replica_id, snap.epoch, snap.seq, snap.block_hashes)
             log.info("prefix index resynced", replica_id=replica_id, blocks=len(snap.block_hashes), seq=snap.seq)
         except Exception as exc:
             log.warning("prefix index resync failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
@@ -155,28 +163,29 @@ class SchedulerService:
             self._resyncing.discard(key)
             await self.index.unlock_resync(model, replica_id)
 
-    async def sync_registry(self) -> None:
+    async def sync_registry(self, deep: bool = False) -> None:
         models = set(self.view.models()) | set(await registry.models(self.redis))
         for model in models:
             live, dead = await registry.sweep(self.redis, model)
             self.view.sync_registry(model, live)
             for replica_id in dead:
                 await self.index.remove_replica(model, replica_id)
-            # Index entries of replicas gone before anyone swept them (e.g. all schedulers were down).
-            pattern = keys.replica_blocks(model, "*")
-            async for key in self.redis.scan_iter(match=pattern, count=500):
-                replica_id = key.decode().rsplit(":", 1)[1]
-                if replica_id not in live:
-                    await self.index.remove_replica(model, replica_id)
+            if deep:  # index entries of replicas gone before anyone swept them: a keyspace scan
+                async for key in self.redis.scan_iter(match=keys.replica_blocks(model, "*"), count=1000):
+                    replica_id = key.decode().rsplit(":", 1)[1]
+                    if replica_id not in live:
+                        await self.index.remove_replica(model, replica_id)
             raw = await self.redis.hget(keys.deployment(model), "routing_policy")
             if raw and raw.decode() in POLICIES:
                 self._deployment_policy[model] = raw.decode()
 
     async def _registry_loop(self) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(self.cfg.registry_sync_interval)
+            rounds += 1
             try:
-                await self.sync_registry()
+                await self.sync_registry(deep=rounds % 30 == 0)
             except Exception as exc:  # Redis away: keep routing on heartbeats alone
                 log.warning("registry sync failed", error=str(exc))
 
@@ -188,6 +197,9 @@ class SchedulerService:
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
         if not self.view.replicas.get(req.model):
             await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} is running")
+            return
+        if req.deadline is not None and req.deadline <= time.time():
+            await self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was routed")
             return
         candidates = self.view.candidates(req.model)
         queue = self.queues.get(req.model)
@@ -214,32 +226,55 @@ class SchedulerService:
             except asyncio.TimeoutError:
                 pass
             self._wake_dispatch.clear()
-            now_wall = time.time()
-            for model, queue in self.queues.items():
-                for item in queue.expired(now_wall):
-                    await self._fail(item.payload, ErrorCode.OVERLOADED,
-                                     "the request cannot start before its deadline: all replicas are saturated")
-                while len(queue):
-                    candidates = self.view.candidates(model)
-                    if not candidates or all(r.saturated for r in candidates):
-                        break
-                    item = queue.pop()
-                    item.payload.timestamps["scheduler_dequeued"] = time.time()
-                    self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
-                    self._dispatched += 1
-                    await self.route(item.payload)
-                self.metrics.queue_depth.labels(model).set(len(queue))
+            try:
+                await self._dispatch_once()
+            except Exception:  # never let the loop die: queued requests depend on it
+                log.exception("dispatch failed")
             now = time.monotonic()
             if now - last >= 1.0:
-                for queue in self.queues.values():
-                    queue.note_dispatch_rate(self._dispatched, now - last)
-                self._dispatched, last = 0, now
+                for model, queue in list(self.queues.items()):
+                    queue.note_dispatch_rate(self._dispatched.pop(model, 0), now - last)
+                last = now
+
+    async def _dispatch_once(self) -> None:
+        now_wall = time.time()
+        for model, queue in list(self.queues.items()):  # route() awaits: the dict may grow meanwhile
+            for item in queue.expired(now_wall):
+                await self._fail(item.payload, ErrorCode.OVERLOADED,
+                                 "the request cannot start before its deadline: all replicas are saturated")
+            while len(queue):
+                candidates = self.view.candidates(model)
+                if not candidates or all(r.saturated for r in candidates):
+                    break
+                item = queue.pop()
+                item.payload.timestamps["scheduler_dequeued"] = time.time()
+                self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
+                self._dispatched[model] = self._dispatched.get(model, 0) + 1
+                await self.route(item.payload)
+            self.metrics.queue_depth.labels(model).set(len(queue))
 
     async def route(self, req: GenerateRequest) -> None:
+        """Send req to the best replica that takes it; every outcome ends in one final message
+        to the caller: the engine's stream, or an error from here."""
+        self._routing[req.request_id] = req.tenant
+        try:
+            await self._route(req)
+        except Exception as exc:
+            log.exception("routing failed")
+            await self._fail(req, ErrorCode.INTERNAL, f"routing failed: {exc.__class__.__name__}")
+        finally:
+            self._routing.pop(req.request_id, None)
+            if self._cancelled.pop(req.request_id, None) is not None:  # cancelled while in transit
+                await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant))
+
+    async def _route(self, req: GenerateRequest) -> None:
         received = req.timestamps.get("scheduler_received", time.time())
         policy = self.policy_for(req.model)
         tried: set[str] = set()
         for _ in range(self.cfg.max_attempts):
+            if req.request_id in self._cancelled:
+                await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
+                return
             candidates = [r for r in self.view.candidates(req.model) if r.replica_id not in tried]
             if not candidates:
                 break
@@ -256,7 +291,6 @@ class SchedulerService:
             choice = decision.replica
             tried.add(choice.replica_id)
             choice.inflight += 1
-            choice.inflight_blocks += len(hashes) + 1 - decision.cached_blocks
             req.timestamps["scheduler_routed"] = time.time()
             ack = await self._forward(req, choice.replica_id)
             if ack is not None and ack.accepted:
@@ -266,8 +300,12 @@ class SchedulerService:
                 self.metrics.routing_time.observe(time.time() - received)
                 return
             choice.inflight -= 1
-            if ack is not None and ack.error is not None and ack.error.code == ErrorCode.BAD_REQUEST:
-                await self._fail(req, ack.error.code, ack.error.message)  # another replica would say the same
+            if ack is None:
+                # No answer in time: the engine may still have taken it. Cancel there before
+                # trying elsewhere, so the request never runs twice into one stream.
+                await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant))
+            elif ack.error is not None and ack.error.code not in (ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED):
+                await self._fail(req, ack.error.code, ack.error.message)  # about the request: final
                 return
             self.view.avoid(choice.replica_id)
             self.metrics.retries.inc()
@@ -289,12 +327,16 @@ class SchedulerService:
                                                         error=ErrorInfo(code=code, message=message)))
 
     async def on_cancel(self, msg: Cancel, _raw) -> None:
-        """A request still in our admission queue ends here; engines handle the rest."""
+        """A request still in our admission queue ends here; one being routed is cancelled at
+        its engine once the engine has it; engines handle the rest."""
+        if msg.request_id in self._routing and msg.tenant == self._routing[msg.request_id]:
+            self._cancelled[msg.request_id] = time.monotonic()
+            return
         for queue in self.queues.values():
             item = queue.index.get(msg.request_id)
             if item is None:
                 continue
-            if msg.tenant is not None and item.tenant and msg.tenant != item.tenant:
+            if item.tenant and msg.tenant != item.tenant:
                 return
             queue.remove(msg.request_id)
             await self.bus.publish(item.payload.reply_to, TokenChunk(request_id=msg.request_id, seq=0,

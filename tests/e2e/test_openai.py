@@ -143,6 +143,9 @@ def assert_openai_error(body, code=None):
     ({"prompt": "x"}, "model"),
     ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
     ({"model": MODEL, "prompt": "x", "stop": 5}, "stop"),
+    ({"model": MODEL, "prompt": "x", "top_k": 9223372036854775808}, "top_k"),  # once killed an engine
+    ({"model": MODEL, "prompt": "x", "seed": 10**30}, "seed"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
 ])
 async def test_400_bad_parameters(stack, body, param):
     status, _, err = await post(stack, "/v1/completions", body)
@@ -157,6 +160,9 @@ async def test_400_malformed_json_and_chat_messages(stack):
     assert_openai_error(err)
     status, _, err = await post(stack, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "pirate"}]})
     assert status == 400 and err["error"]["param"] == "messages"
+    status, _, err = await post(stack, "/v1/completions", None, raw=b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400  # nesting deep enough to overflow the parser's recursion
+    assert_openai_error(err)
 
 
 async def test_401_missing_or_bad_key(stack):
@@ -272,6 +278,13 @@ async def test_health_metrics_and_openapi(stack):
                             headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
             spec = await resp.json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+    async with aiohttp.ClientSession() as http:
+        for i in range(5):  # unknown paths: 404 in OpenAI's shape, one metric label for all of them
+            async with http.get(f"{stack.base_url}/nope/{i}") as resp:
+                assert resp.status == 404 and "error" in await resp.json()
+        async with http.get(stack.base_url + "/metrics") as resp:
+            text = await resp.text()
+    assert 'endpoint="unmatched"' in text and "/nope/" not in text
 
 
 def test_layer_timings_add_up_to_the_end_to_end_latency(client):

@@ -74,3 +74,28 @@ async def test_event_loop_stays_responsive_during_steps(engine):
         await asyncio.sleep(0.005)
         ticks += 1
     assert ticks > 5  # the loop kept running while the engine thread computed
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine):
+    from services.engine.async_engine import StepFailedError
+
+    runner = engine.engine.runner
+    real = runner.execute
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+
+    runner.execute = broken_once
+    try:
+        with pytest.raises(StepFailedError):
+            await asyncio.wait_for(collect(engine.add_request("doomed", "x y z", SamplingParams(max_tokens=5))), 30)
+        outs = await asyncio.wait_for(collect(engine.add_request("after", "hello", SamplingParams(
+            max_tokens=4, ignore_eos=True))), 30)
+        assert len(outs[-1].outputs[0].token_ids) == 4 and engine.error is None
+    finally:
+        runner.execute = real
+    assert_no_leak(engine.engine)

@@ -26,6 +26,12 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert_no_leak(llm.engine)
 
 
+def test_a_vanishing_temperature_is_greedy(llm):
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    tiny = llm.generate(PROMPTS[:2], SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True))
+    assert [g.outputs[0].token_ids for g in greedy] == [t.outputs[0].token_ids for t in tiny]
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     top_k = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True))
@@ -106,6 +112,8 @@ def test_presence_and_frequency_penalties_discourage_repeats(llm):
     ("hi", SamplingParams(temperature=-1), "temperature"),
     ("hi", SamplingParams(logprobs=50), "logprobs"),
     ("hi", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+    ("hi", SamplingParams(temperature=0.7, top_k=2**63), "top_k"),  # once crashed the step loop
+    ("hi", SamplingParams(seed=2**64), "seed"),
 ])
 def test_invalid_requests_raise_one_clear_error(llm, prompt, params, param):
     with pytest.raises(InvalidRequestError) as info:

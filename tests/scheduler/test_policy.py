@@ -24,24 +24,25 @@ def test_kv_aware_picks_the_replica_holding_the_prefix():
     assert decision.scores["r2"] < min(decision.scores["r0"], decision.scores["r1"])
 
 
-def test_kv_aware_leaves_a_hot_holder_when_it_is_much_busier():
-    busy = ReplicaState("holder", kv_blocks_used=500, waiting=3)
-    idle = ReplicaState("idle", kv_blocks_used=10)
-    decision = Router(seed=1).rank("kv_aware", [busy, idle], prompt_blocks=20, overlaps={"holder": 20})[0]
-    assert decision.replica.replica_id == "idle"
-    # With a heavier prefill weight the cache hit wins again.
-    decision = Router(prefill_weight=100.0, seed=1).rank("kv_aware", [busy, idle], 20, {"holder": 20})[0]
+def test_kv_aware_leaves_a_hot_holder_only_when_it_is_much_busier():
+    holder, other = ReplicaState("holder", running=4), ReplicaState("other", running=3)
+    decision = Router(seed=1).rank("kv_aware", [holder, other], prompt_blocks=20, overlaps={"holder": 20})[0]
+    assert decision.replica.replica_id == "holder"  # one more request does not outweigh 20 cached blocks
+    holder.running = 8
+    decision = Router(seed=1).rank("kv_aware", [holder, other], prompt_blocks=20, overlaps={"holder": 20})[0]
+    assert decision.replica.replica_id == "other"  # five more does: the hot prefix spreads
+    # A lighter load weight keeps it on the holder.
+    decision = Router(load_weight=1.0, seed=1).rank("kv_aware", [holder, other], 20, {"holder": 20})[0]
     assert decision.replica.replica_id == "holder"
 
 
-def test_inflight_blocks_spread_a_burst_of_new_prefixes():
+def test_inflight_requests_spread_a_burst_of_new_prefixes():
     reps = replicas(4)
     router = Router(seed=3)
     chosen = []
-    for _ in range(8):  # eight requests before any heartbeat: each adds inflight blocks
+    for _ in range(8):  # eight requests before any heartbeat: each counts as load at once
         d = router.rank("kv_aware", reps, prompt_blocks=30)[0]
         d.replica.inflight += 1
-        d.replica.inflight_blocks += 31
         chosen.append(d.replica.replica_id)
     assert Counter(chosen) == {"r0": 2, "r1": 2, "r2": 2, "r3": 2}
 

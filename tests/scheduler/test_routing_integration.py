@@ -7,6 +7,7 @@ import time
 import pytest
 
 from shared import keys, protocol
+from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
 from shared.localstack import LocalStack
 from shared.store import connect_redis
@@ -52,11 +53,20 @@ async def run(bus, tokens, max_tokens=4):
     return chunks[-1]
 
 
-async def test_a_repeated_long_prefix_lands_on_the_replica_that_holds_it(stack, bus):
+async def wait_indexed(redis, replica_id, tokens, timeout=5.0):
+    """Until the index says replica_id holds every full block of tokens."""
+    wanted = {str(h).encode() for h in prompt_block_hashes(tokens, 16)}
+    deadline = time.monotonic() + timeout
+    while not wanted <= await redis.smembers(keys.replica_blocks(MODEL, replica_id)):
+        assert time.monotonic() < deadline, "KV events never reached the index"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_repeated_long_prefix_lands_on_the_replica_that_holds_it(stack, bus, redis):
     rng = random.Random(7)
     prefix = [rng.randrange(8, 4000) for _ in range(320)]  # 20 blocks
     first = await run(bus, prefix + [11, 12])
-    await asyncio.sleep(0.3)  # its KV events reach the index
+    await wait_indexed(redis, first.replica_id, prefix)
     for i in range(6):
         final = await run(bus, prefix + [rng.randrange(8, 4000) for _ in range(5 + i)])
         assert final.replica_id == first.replica_id
@@ -124,10 +134,9 @@ async def test_killing_a_scheduler_under_load_loses_nothing_beyond_what_it_held(
 
 async def test_a_killed_replica_leaves_routing_and_the_index_within_its_lease(stack, bus, redis):
     rng = random.Random(9)
-    final = await run(bus, [rng.randrange(8, 4000) for _ in range(150)])
-    victim = final.replica_id
-    await asyncio.sleep(0.3)
-    assert await redis.scard(keys.replica_blocks(MODEL, victim)) > 0
+    tokens = [rng.randrange(8, 4000) for _ in range(150)]
+    victim = (await run(bus, tokens)).replica_id
+    await wait_indexed(redis, victim, tokens)
     stack.services[victim].kill()
     stack.services.pop(victim).wait(10)
     killed = time.monotonic()
