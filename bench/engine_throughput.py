@@ -14,7 +14,6 @@ Prints output tokens/s for each and the ratios; writes bench/results/engine_thro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from bench.results_file import write_results  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -89,8 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="model directory (default: the tiny model)")
     parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="Strata's batch size and HF's static batch")
-    parser.add_argument("--hf-single-requests", type=int, default=24,
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="Strata's batch size and HF's static batch")
+    parser.add_argument("--hf-single-requests", type=int, default=32,
                         help="requests for the one-at-a-time run (a prefix of the workload; its rate is what counts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_throughput.json"))
@@ -114,9 +114,7 @@ def main() -> None:
               "vs_hf_single": results["strata"]["tokens_per_s"] / results["hf_single"]["tokens_per_s"]}
     print(f"ratio strata / hf-static: {ratios['vs_hf_static']:.2f}x (target >= 2)")
     print(f"ratio strata / hf-single: {ratios['vs_hf_single']:.2f}x (target >= 10)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "results": results, "ratios": ratios}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, args, {"results": results, "ratios": ratios})
 
 
 if __name__ == "__main__":

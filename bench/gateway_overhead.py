@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import aiohttp  # noqa: E402
 
 from services.engine import SamplingParams  # noqa: E402
 from services.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from bench.results_file import write_results  # noqa: E402
 from shared import aio  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
@@ -99,7 +99,7 @@ async def main_async(args) -> dict:
     inproc = await measure(lambda p, m: inproc_one(engine, f"r{next(counter)}", p, m), ps, args.requests_c1,
                            args.rounds_c32)
     await engine.shutdown()
-    del engine
+
     print(f"in-process  TTFT p50 {inproc['ttft_p50_ms']:.2f} ms  p99 {inproc['ttft_p99_ms']:.2f} ms  "
           f"c32 {inproc['c32_tokens_per_s']:.0f} tok/s", flush=True)
 
@@ -128,15 +128,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gateway_overhead.json"))
     args = parser.parse_args()
-    results = {}
-
-    async def run() -> None:
-        results.update(await main_async(args))
-
-    aio.run(run())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), **results}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, args, aio.run(main_async(args)))
 
 
 if __name__ == "__main__":

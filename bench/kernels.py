@@ -128,7 +128,7 @@ def bench_decode_attention(K, torch, args, peak_gbps):
         q = torch.randn(b, hq, hd, dtype=torch.bfloat16, device=dev)
         splits = K.choose_num_splits(b, hkv, c, dev)
 
-        def run():
+        def run(q=q, tables=tables, ctx=ctx, splits=splits, k_cache=k_cache, v_cache=v_cache):  # bound now
             K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
 
         run()  # compile outside the timing
@@ -268,7 +268,7 @@ def bench_model(K, torch, args, peak_gbps):
         inp = make_decode_inputs(torch, model, batch, cfg["context"], dev, dtype)
         splits = K.choose_num_splits(batch, cfg["kv_heads"], cfg["context"], dev)
 
-        def step():
+        def step(inp=inp, splits=splits):  # bound now: inp is deleted at the end of the loop
             return model.decode_step(inp["ids"], inp["positions"], inp["slot_mapping"], inp["kv_caches"],
                                      inp["block_tables"], inp["context_lens"], splits)
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp  # noqa: E402
 
+from bench.results_file import write_results  # noqa: E402
 from shared import aio  # noqa: E402
 from shared.block_hash import prompt_block_hashes  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
@@ -58,7 +59,7 @@ async def converse(http, stack, conv, args, records, seen_blocks) -> None:
         body = {"model": stack.deployment, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
-        ttft, tokens, usage, strata = None, [], None, None
+        ttft, usage, strata = None, None, None
         async with http.post(stack.base_url + "/v1/completions", json=body,
                              headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
             assert resp.status == 200, await resp.text()
@@ -172,23 +173,17 @@ def main() -> None:
     parser.add_argument("--model", default="")
     parser.add_argument("--conversations", type=int, default=48)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-prompts", type=int, default=8)
+    parser.add_argument("--system-prompts", type=int, default=24)
     parser.add_argument("--system-tokens", type=int, default=320)
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--kv-blocks", type=int, default=256,
+                        help="per engine: smaller than all system prompts together, as in a real fleet")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "routing.json"))
     args = parser.parse_args()
-    out = {}
-
-    async def run() -> None:
-        out.update(await main_async(args))
-
-    aio.run(run())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), **out}, indent=2))
-    print(f"wrote {args.out}")
+    out = aio.run(main_async(args))
+    write_results(args.out, args, out)
     plot(out["results"], Path(args.out).with_suffix(".png"))
 
 

@@ -6,10 +6,22 @@ import asyncio
 from collections.abc import Coroutine
 
 
-def run(main: Coroutine) -> None:
+def run(main: Coroutine):
+    """Run main to completion and return its result."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+async def serve_until_signalled(service) -> None:
+    """Start a service (start()/stop() coroutines), run until SIGTERM or SIGINT, stop it."""
+    import signal
+
+    await service.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await service.stop()

@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from shared import protocol
 from shared.bus import Bus
-from shared.protocol import Cancel, ErrorReply, ProtocolError
+from shared.protocol import Cancel, ErrorReply
 from shared.store import connect_redis
 
 

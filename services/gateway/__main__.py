@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import socket
 import sys
 
@@ -36,16 +34,7 @@ def main(argv=None) -> int:
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout)
 
-    async def run() -> None:
-        service = GatewayService(cfg)
-        await service.start()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await service.stop()
-
-    aio.run(run())
+    aio.run(aio.serve_until_signalled(GatewayService(cfg)))
     return 0
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import socket
 import sys
 
@@ -34,19 +32,11 @@ def main(argv=None) -> int:
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
 
-    async def run() -> None:
-        policies = dict(item.split("=", 1) for item in args.policy_for)
-        service = SchedulerService(SchedulerConfig(
-            settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
-            load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
-        await service.start()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await service.stop()
-
-    aio.run(run())
+    policies = dict(item.split("=", 1) for item in args.policy_for)
+    service = SchedulerService(SchedulerConfig(
+        settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
+        load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
+    aio.run(aio.serve_until_signalled(service))
     return 0
 
 
