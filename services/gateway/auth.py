@@ -101,3 +101,14 @@ class KeyStore:
         except Exception:
             pass
         return over, retry_after
+
+    async def settle(self, key: ApiKey, charged: int, used: int, charged_at: float) -> None:
+        """Replace a request's estimated tokens (prompt + max_tokens) by what it used, in the
+        window it was charged to; a window already over needs nothing."""
+        window = int(charged_at // 60)
+        if not key.tpm or used >= charged or int(time.time() // 60) != window:
+            return
+        try:
+            await self.redis.decrby(keys.rate_counter(key.key_hash, "tokens", window), charged - used)
+        except Exception:
+            pass  # Redis away: the estimate stands

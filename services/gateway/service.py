@@ -99,6 +99,7 @@ class GatewayService:
         self._schedulers_seen: dict[str, float] = {}
         self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
         self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
+        self._completion_tokens: dict[str, int] = {}  # request id -> tokens streamed so far
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -276,7 +277,8 @@ class GatewayService:
                          f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                          f"{parsed.sampling.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
                          "context_length_exceeded")
-        over = await self.keys.charge(key, len(ids) + parsed.sampling.max_tokens) if self.cfg.require_auth else None
+        charged, charged_at = len(ids) + parsed.sampling.max_tokens, time.time()
+        over = await self.keys.charge(key, charged) if self.cfg.require_auth else None
         if over is not None:
             what, retry_after = over
             raise ApiError(429, f"rate limit reached for {what} per minute", "rate_limit_error", None,
@@ -322,6 +324,9 @@ class GatewayService:
             finished = True
             return response
         finally:
+            if self.cfg.require_auth:  # charge what was used, not the estimate
+                used = len(ids) + self._completion_tokens.pop(rid, 0)
+                asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
             timer.cancel()
             self.metrics.active.dec()
             self._streams.pop(rid, None)
@@ -354,8 +359,7 @@ class GatewayService:
         except Exception as exc:
             log.warning("cancel publish failed", error=str(exc))
 
-    @staticmethod
-    async def _chunks(first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
+    async def _chunks(self, first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
         """The stream of one engine: chunks from any other replica are dropped (a request must
         never interleave two engines' tokens), and a lost chunk ends the stream with an error."""
         chunk, replica, expected = first, first.replica_id, first.seq
@@ -365,6 +369,7 @@ class GatewayService:
                     code=ErrorCode.INTERNAL, message=f"stream message {expected} was lost"))
                 return
             expected += 1
+            self._completion_tokens[gen.request_id] = self._completion_tokens.get(gen.request_id, 0) + len(chunk.token_ids)
             yield chunk
             if chunk.is_final:
                 return

@@ -299,3 +299,24 @@ def test_layer_timings_add_up_to_the_end_to_end_latency(client):
     # writing and scheduling gaps between hops (stated tolerance: 5 ms or 10%).
     assert abs(timings["e2e"] - parts) <= max(0.005, 0.1 * timings["e2e"]), timings
     assert timings["engine_decode"] > 0 and timings["engine_prefill"] > 0
+
+
+async def test_token_limits_charge_what_was_used(stack):
+    from services.gateway.auth import create_key, hash_key
+    redis = connect_redis(stack.infra.redis_url)
+    key = await create_key(redis, "tpm-tenant", tpm=100_000)
+    window = int(time.time() // 60)
+    status, _, body = await post(stack, "/v1/chat/completions",
+                                 {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500,
+                                  "stop_token_ids": list(range(200, 4000))}, key=key)  # stops early
+    assert status == 200
+    if int(time.time() // 60) != window:
+        pytest.skip("crossed a minute boundary: the estimate stays in the old window by design")
+    used = body["usage"]["total_tokens"]
+    assert used < 200
+    counter = keys.rate_counter(hash_key(key), "tokens", window)
+    deadline = time.monotonic() + 2
+    while int(await redis.get(counter) or 0) != used and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert int(await redis.get(counter)) == used  # not prompt + 1500
+    await redis.aclose()
