@@ -281,7 +281,7 @@ class SchedulerService:
             block_size = candidates[0].block_size
             hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
             overlaps = {}
-            if policy == "kv_aware" and hashes:
+            if policy == "kv_aware" and hashes and len(candidates) > 1:  # one candidate: nothing to weigh
                 try:
                     holders = await self.index.holders(req.model, hashes)
                     overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
