@@ -153,7 +153,7 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: Optional[dict]
     transformers' rope init for ``default``, ``linear``, ``llama3`` (Llama 3.1) and ``yarn``
     (Qwen2.5 long context). The older key ``"type"`` is accepted for ``"rope_type"``.
     ``"dynamic"`` (NTK scaling depends on the current length, so one static table cannot hold
-    it), ``"longrope"`` and others raise NotImplementedError."""
+    it), ``"longrope"`` and others raise ValueError."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
@@ -187,7 +187,7 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: Optional[dict]
         ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo if hi != lo else 0.001)
         extrapolation = 1 - ramp.clamp(0, 1)
         return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation, mscale
-    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
 
 
 def compute_cos_sin_cache(head_dim: int, max_position: int, base: float, scaling: Optional[dict] = None):
