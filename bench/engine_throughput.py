@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.results_file import write_results  # noqa: E402
+from bench.common import write_results  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 

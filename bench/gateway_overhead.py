@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -25,17 +24,12 @@ import aiohttp  # noqa: E402
 
 from services.engine import SamplingParams  # noqa: E402
 from services.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from bench.results_file import write_results  # noqa: E402
+from bench.common import percentile, stream_completion, write_results  # noqa: E402
 from shared import aio  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
 ENGINE_ARGS = dict(max_num_seqs=64, num_kv_blocks=4096)
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(int(q * len(values)), len(values) - 1)]
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -56,22 +50,8 @@ async def inproc_one(engine: AsyncLLMEngine, rid: str, prompt: list[int], max_to
 
 async def http_one(http: aiohttp.ClientSession, stack: LocalStack, prompt: list[int], max_tokens: int
                    ) -> tuple[float, int]:
-    start = time.perf_counter()
-    ttft, tokens = None, 0
-    body = {"model": stack.deployment, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    async with http.post(stack.base_url + "/v1/completions", json=body,
-                         headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0]["text"] and ttft is None:
-                ttft = time.perf_counter() - start
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    return ttft, tokens
+    ttft, final = await stream_completion(http, stack, prompt, max_tokens)
+    return ttft, final["usage"]["completion_tokens"]
 
 
 async def measure(call, ps: list[list[int]], n_c1: int, rounds_c32: int) -> dict:

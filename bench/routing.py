@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp  # noqa: E402
 
-from bench.results_file import write_results  # noqa: E402
+from bench.common import percentile, stream_completion, write_results  # noqa: E402
 from shared import aio  # noqa: E402
 from shared.block_hash import prompt_block_hashes  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
@@ -37,11 +36,6 @@ from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
 BLOCK = 16
 POLICIES = ("round_robin", "least_load", "kv_aware")
-
-
-def percentile(values, q):
-    values = sorted(values)
-    return values[min(int(q * len(values)), len(values) - 1)] if values else 0.0
 
 
 def make_workload(args) -> list[dict]:
@@ -56,21 +50,8 @@ async def converse(http, stack, conv, args, records, seen_blocks) -> None:
     history = list(conv["system"])
     for turn, user in enumerate(conv["users"]):
         prompt = history + user
-        body = {"model": stack.deployment, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        start = time.perf_counter()
-        ttft, usage, strata = None, None, None
-        async with http.post(stack.base_url + "/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
-            assert resp.status == 200, await resp.text()
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("choices") and event["choices"][0]["text"] and ttft is None:
-                    ttft = time.perf_counter() - start
-                if event.get("usage"):
-                    usage, strata = event["usage"], event.get("strata")
+        ttft, final = await stream_completion(http, stack, prompt, args.output_tokens)
+        usage, strata = final["usage"], final.get("strata")
         # The reply re-enters the history as fixed made-up tokens (the API returns text, not
         # token ids): every policy and the oracle see exactly the same prompts.
         reply = [8 + (conv["id"] * 7919 + turn * 104729 + i * 31) % 3990 for i in range(usage["completion_tokens"])]

@@ -1,0 +1,42 @@
+"""What the benchmark scripts share: one streamed completion timed, percentiles, the results file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)] if values else 0.0
+
+
+async def stream_completion(http, stack, prompt: list[int], max_tokens: int) -> tuple[float, dict]:
+    """POST a streaming completion through the stack's gateway; returns (seconds to the first
+    token, the final usage event: usage and the strata extension)."""
+    body = {"model": stack.deployment, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, final = None, {}
+    async with http.post(stack.base_url + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0]["text"] and ttft is None:
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                final = event
+    return ttft, final
+
+
+def write_results(path: str | Path, args: argparse.Namespace, data: dict) -> None:
+    """One JSON per script under bench/results/, with the config it ran with."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": vars(args), **data}, indent=2))
+    print(f"wrote {path}")
