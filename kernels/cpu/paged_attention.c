@@ -2,8 +2,9 @@
  *
  * The torch path gathers every sequence's blocks into a contiguous copy before attending, which
  * moves the KV bytes three times. This kernel reads each cached K and V row once, straight
- * through the block table: one task per (sequence, KV head), all query heads of the group at
- * once (GQA), exact softmax in two passes over the scores.
+ * through the block table. One task per sequence: a token's K (then V) row holds all KV heads
+ * side by side, so the task streams through contiguous memory and serves every query head of
+ * every group from it (GQA). Exact softmax in two passes over the scores.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], fp32, contiguous.
  */
@@ -11,8 +12,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define MAX_GROUP 64
 
 int strata_paged_decode_attention_f32(
     const float *q,               /* [batch, num_heads, head_dim] */
@@ -24,58 +23,50 @@ int strata_paged_decode_attention_f32(
     float scale, int num_threads)
 {
     const int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
-    const long row_stride = (long)num_kv_heads * head_dim;   /* between tokens of a block */
-    const long block_stride = (long)block_size * row_stride;
+    if (group * num_kv_heads != num_heads) return -1;
+    const long row = (long)num_kv_heads * head_dim;  /* one token's K (or V) for all heads */
+    const long block_stride = (long)block_size * row;
     int failed = 0;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int b = 0; b < batch; b++) {
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int ctx = context_lens[b];
-            const int32_t *table = block_tables + (long)b * max_blocks;
-            const float *qg = q + ((long)b * num_heads + (long)h * group) * head_dim;
-            float *og = out + ((long)b * num_heads + (long)h * group) * head_dim;
-            float *scores = (float *)malloc(sizeof(float) * (size_t)group * (ctx > 0 ? ctx : 1));
-            if (!scores) { failed = 1; continue; }
-            float maxs[MAX_GROUP], sums[MAX_GROUP];
-            for (int g = 0; g < group; g++) maxs[g] = -INFINITY, sums[g] = 0.f;
+        const int ctx = context_lens[b];
+        const int32_t *table = block_tables + (long)b * max_blocks;
+        const float *qb = q + (long)b * num_heads * head_dim;
+        float *ob = out + (long)b * num_heads * head_dim;
+        memset(ob, 0, sizeof(float) * (size_t)num_heads * head_dim);
+        if (ctx <= 0) continue;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)num_heads * ctx);  /* [head][token] */
+        if (!scores) { failed = 1; continue; }
 
-            for (int t = 0; t < ctx; t++) {
-                const float *krow = k_cache + (long)table[t / block_size] * block_stride
-                                    + (long)(t % block_size) * row_stride + (long)h * head_dim;
-                for (int g = 0; g < group; g++) {
-                    const float *qr = qg + (long)g * head_dim;
-                    float s = 0.f;
-                    for (int d = 0; d < head_dim; d++) s += qr[d] * krow[d];
-                    s *= scale;
-                    scores[(long)g * ctx + t] = s;
-                    if (s > maxs[g]) maxs[g] = s;
-                }
+        for (int t = 0; t < ctx; t++) {
+            const float *krow = k_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row;
+            for (int h = 0; h < num_heads; h++) {
+                const float *kh = krow + (long)(h / group) * head_dim;
+                const float *qh = qb + (long)h * head_dim;
+                float s = 0.f;
+                for (int d = 0; d < head_dim; d++) s += qh[d] * kh[d];
+                scores[(long)h * ctx + t] = s * scale;
             }
-            for (int g = 0; g < group; g++) {
-                float *sg = scores + (long)g * ctx;
-                float sum = 0.f;
-                for (int t = 0; t < ctx; t++) { sg[t] = expf(sg[t] - maxs[g]); sum += sg[t]; }
-                sums[g] = sum;
-                memset(og + (long)g * head_dim, 0, sizeof(float) * head_dim);
-            }
-            for (int t = 0; t < ctx; t++) {
-                const float *vrow = v_cache + (long)table[t / block_size] * block_stride
-                                    + (long)(t % block_size) * row_stride + (long)h * head_dim;
-                for (int g = 0; g < group; g++) {
-                    const float p = scores[(long)g * ctx + t];
-                    float *o = og + (long)g * head_dim;
-                    for (int d = 0; d < head_dim; d++) o[d] += p * vrow[d];
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
-                float *o = og + (long)g * head_dim;
-                for (int d = 0; d < head_dim; d++) o[d] *= inv;
-            }
-            free(scores);
         }
+        for (int h = 0; h < num_heads; h++) {
+            float *sh = scores + (long)h * ctx;
+            float m = -INFINITY, sum = 0.f;
+            for (int t = 0; t < ctx; t++) m = sh[t] > m ? sh[t] : m;
+            for (int t = 0; t < ctx; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
+            const float inv = 1.f / sum;  /* sum >= 1: the max term is exp(0) */
+            for (int t = 0; t < ctx; t++) sh[t] *= inv;
+        }
+        for (int t = 0; t < ctx; t++) {
+            const float *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row;
+            for (int h = 0; h < num_heads; h++) {
+                const float p = scores[(long)h * ctx + t];
+                const float *vh = vrow + (long)(h / group) * head_dim;
+                float *oh = ob + (long)h * head_dim;
+                for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
+            }
+        }
+        free(scores);
     }
     return failed ? -2 : 0;
 }
