@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
@@ -46,6 +47,14 @@ class StepFailedError(RuntimeError):
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
+class RequestSink(Protocol):
+    """Where one request's step outputs go, on the event loop thread."""
+
+    def deliver(self, out: RequestOutput) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
 class RequestStream:
     """Async iterator over one request's step outputs; ends after the finished one."""
 
@@ -66,6 +75,12 @@ class RequestStream:
             raise item
         self.finished = item.finished
         return item
+
+    def deliver(self, out: RequestOutput) -> None:
+        self.queue.put_nowait(out)
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait(exc)
 
     def drain_ready(self) -> list[RequestOutput]:
         """Outputs already delivered and not yet read (to batch them into one message)."""
@@ -95,7 +110,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -130,13 +145,16 @@ class AsyncLLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> RequestStream:
+                    arrival_time: float | None = None, sink: RequestSink | None = None) -> RequestSink:
+        """Queue a request; its outputs go to `sink`, by default a new RequestStream (an async
+        iterator). A service streaming many requests passes its own sink and saves waking one
+        task per request per step."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = self.engine.inputs.process(prompt, params)
-        stream = RequestStream(request_id)
+        stream = sink if sink is not None else RequestStream(request_id)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic()))
         self._wake.set()
@@ -220,10 +238,10 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(out)
             self.tokens_generated += len(out.new_token_ids)
             if out.finished:
                 del self._streams[out.request_id]
+            stream.deliver(out)
         if self.on_kv_events is not None and events:
             self.on_kv_events(seq, events)
 
@@ -231,9 +249,9 @@ class AsyncLLMEngine:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.queue.put_nowait(StepFailedError(f"engine step failed: {exc.__class__.__name__}"))
+                stream.fail(StepFailedError(f"engine step failed: {exc.__class__.__name__}"))
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(f"engine stopped: {exc}"))
-        self._streams.clear()
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(EngineDeadError(f"engine stopped: {exc}"))

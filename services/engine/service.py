@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, StepFailedError
+from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
@@ -73,6 +73,8 @@ class EngineWorker:
         self._tenants: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task] = set()
         self._kv_queue: asyncio.Queue[tuple[int, KvEvents]] = asyncio.Queue()
+        self._outbox: list[tuple[str, bytes]] = []
+        self._outbox_ready = asyncio.Event()
         self.epoch = uuid.uuid4().hex[:12]  # KV event numbering restarts with the process
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -99,6 +101,7 @@ class EngineWorker:
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
         self._spawn(self._publish_kv_events())
+        self._spawn(self._publish_outbox())
         self.state = "ready"
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
@@ -135,15 +138,15 @@ class EngineWorker:
         for rid in list(self._tenants):
             self._drain_aborted.add(rid)
             self.engine.abort(rid)  # past the timeout: they end with an `unavailable` error
-        streams = [t for t in self._tasks if t.get_name().startswith("stream:")]
-        if streams:
-            await asyncio.wait(streams, timeout=5)
+        deadline = time.monotonic() + 5
+        while self._tenants and time.monotonic() < deadline:  # the aborts' final chunks go out
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)  # the publisher flushes them
         await self.stop()
 
     async def stop(self) -> None:
         for task in list(self._tasks):
-            if not task.get_name().startswith("stream:"):
-                task.cancel()
+            task.cancel()
         try:
             await registry.remove(self.redis, self.cfg.replica_id, self.cfg.deployment)
         except Exception as exc:
@@ -176,8 +179,9 @@ class EngineWorker:
             await self._refuse(req, raw, ErrorCode.CANCELLED, "the request was cancelled before it arrived")
             return
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
+        sink = ChunkSink(self, req, arrival)
         try:
-            stream = self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival)
+            self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink)
         except InvalidRequestError as exc:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
             return
@@ -185,9 +189,9 @@ class EngineWorker:
             await self._refuse(req, raw, ErrorCode.UNAVAILABLE, str(exc))
             return
         self._tenants[req.request_id] = req.tenant
+        sink.start_deadline()
         if raw.reply:
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True))
-        self._spawn(self._stream(req, stream, arrival), name=f"stream:{req.request_id}")
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the
@@ -200,82 +204,34 @@ class EngineWorker:
             await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                             error=error, replica_id=self.cfg.replica_id))
 
-    async def _stream(self, req: GenerateRequest, stream: RequestStream, arrival: float) -> None:
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        seq_no, last_emit = 0, None
-        expired = False
-        timer = None
-        if req.deadline is not None:  # one timer per request, not a timeout per chunk
-            def on_deadline() -> None:
-                nonlocal expired
-                expired = True
-                self.engine.abort(req.request_id)
+    # ---- streaming: one sink per request, one publisher for all ----------------------------
+    def _emit(self, subject: str, message) -> None:
+        """Queue a message for the publisher, which sends everything in order, one wake per step."""
+        self._outbox.append((subject, protocol.encode(message)))
+        self._outbox_ready.set()
 
-            loop = asyncio.get_running_loop()
-            timer = loop.call_at(loop.time() + max(req.deadline - time.time(), 0.0), on_deadline)
-        try:
-            async for first in stream:
-                outs = [first] + stream.drain_ready()  # everything since the last chunk, in one message
-                if expired and outs[-1].finished:
-                    await self._final_error(req, seq_no, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded")
-                    return
-                if req.request_id in self._drain_aborted and outs[-1].finished:
-                    await self._final_error(req, seq_no, ErrorCode.UNAVAILABLE,
-                                            "the replica shut down before the request finished")
-                    return
-                chunk = self._chunk(req, seq_no, outs)
-                now = time.monotonic()
-                if chunk.token_ids:
-                    if last_emit is None:
-                        self.metrics.ttft.observe(now - arrival)
-                    else:
-                        self.metrics.itl.observe((now - last_emit) / len(chunk.token_ids))
-                    last_emit = now
-                if seq_no == 0:
-                    req.timestamps["engine_first_chunk"] = time.time()
-                if chunk.is_final:
-                    chunk.timestamps = {**req.timestamps, "engine_final_chunk": time.time()}
-                await self.bus.publish(req.reply_to, chunk)
-                seq_no += 1
-                if chunk.is_final:
-                    self._record_final(outs[-1], arrival)
-                    return
-        except (EngineDeadError, StepFailedError) as exc:
-            await self._final_error(req, seq_no, ErrorCode.INTERNAL, str(exc))
-        except Exception:
-            log.exception("stream failed")
-            self.engine.abort(req.request_id)
-            await self._final_error(req, seq_no, ErrorCode.INTERNAL, "internal error in the engine worker")
-            await self._discard(stream)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._tenants.pop(req.request_id, None)
-            if self.state == "ready":
-                self._load_changed()
+    async def _publish_outbox(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            batch, self._outbox = self._outbox, []
+            for subject, payload in batch:
+                try:
+                    await self.bus.publish(subject, payload)
+                except Exception as exc:  # NATS away: the caller's deadline ends the wait
+                    log.warning("chunk publish failed", error=str(exc))
 
-    @staticmethod
-    async def _discard(stream: RequestStream) -> None:
-        try:
-            async for _ in stream:
-                pass
-        except Exception:
-            pass
-
-    async def _final_error(self, req: GenerateRequest, seq_no: int, code: str, message: str) -> None:
+    def _final_error(self, req: GenerateRequest, seq_no: int, code: str, message: str) -> None:
         self.metrics.finished("error")
-        await self.bus.publish(req.reply_to, TokenChunk(
-            request_id=req.request_id, seq=seq_no, finish_reason="error",
-            error=ErrorInfo(code=code, message=message), replica_id=self.cfg.replica_id))
+        self._emit(req.reply_to, TokenChunk(request_id=req.request_id, seq=seq_no, finish_reason="error",
+                                            error=ErrorInfo(code=code, message=message),
+                                            replica_id=self.cfg.replica_id))
 
-    def _chunk(self, req: GenerateRequest, seq_no: int, outs: list[RequestOutput]) -> TokenChunk:
-        last = outs[-1]
-        chunk = TokenChunk(request_id=req.request_id, seq=seq_no,
-                           token_ids=[t for o in outs for t in o.new_token_ids],
-                           text="".join(o.text_delta for o in outs), replica_id=self.cfg.replica_id)
+    def _chunk(self, req: GenerateRequest, seq_no: int, last: RequestOutput) -> TokenChunk:
+        chunk = TokenChunk(request_id=req.request_id, seq=seq_no, token_ids=last.new_token_ids, text=last.text_delta,
+                           replica_id=self.cfg.replica_id)
         if req.sampling.logprobs is not None:
-            chunk.logprobs = [TokenLogprob(token_id=t, logprob=lp, top=top)
-                              for o in outs for t, lp, top in o.new_logprobs]
+            chunk.logprobs = [TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in last.new_logprobs]
         if last.finished:
             completion = last.outputs[0]
             chunk.finish_reason = completion.finish_reason
@@ -394,3 +350,68 @@ class EngineWorker:
     async def _http_health(self, _request: web.Request) -> web.Response:
         body = {"state": self.state, "replica_id": self.cfg.replica_id, "deployment": self.cfg.deployment}
         return web.json_response(body, status=200 if self.state == "ready" else 503)
+
+
+class ChunkSink:
+    """One request's outputs turned into TokenChunks on the event loop, as the engine delivers
+    them (one per request per step): no task per request."""
+
+    def __init__(self, worker: EngineWorker, req: GenerateRequest, arrival: float):
+        self.worker, self.req, self.arrival = worker, req, arrival
+        self.seq_no = 0
+        self.last_emit: float | None = None
+        self.expired = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start_deadline(self) -> None:
+        """One timer per request: at the deadline the engine aborts it, and the stream ends with
+        a deadline error."""
+        if self.req.deadline is not None:
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_at(loop.time() + max(self.req.deadline - time.time(), 0.0), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self.expired = True
+        self.worker.engine.abort(self.req.request_id)
+
+    def deliver(self, out: RequestOutput) -> None:
+        w, req = self.worker, self.req
+        try:
+            if out.finished and self.expired:
+                return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.DEADLINE_EXCEEDED,
+                                                        "request deadline exceeded"))
+            if out.finished and req.request_id in w._drain_aborted:
+                return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.UNAVAILABLE,
+                                                        "the replica shut down before the request finished"))
+            chunk = w._chunk(req, self.seq_no, out)
+            now = time.monotonic()
+            if chunk.token_ids:
+                if self.last_emit is None:
+                    w.metrics.ttft.observe(now - self.arrival)
+                else:
+                    w.metrics.itl.observe((now - self.last_emit) / len(chunk.token_ids))
+                self.last_emit = now
+            if self.seq_no == 0:
+                req.timestamps["engine_first_chunk"] = time.time()
+            if chunk.is_final:
+                chunk.timestamps = {**req.timestamps, "engine_final_chunk": time.time()}
+            w._emit(req.reply_to, chunk)
+            self.seq_no += 1
+            if chunk.is_final:
+                self._end(lambda: w._record_final(out, self.arrival))
+        except Exception:  # never leave the caller without a final message
+            log.exception("stream failed", request_id=req.request_id)
+            w.engine.abort(req.request_id)
+            self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.INTERNAL,
+                                             "internal error in the engine worker"))
+
+    def fail(self, exc: BaseException) -> None:
+        self._end(lambda: self.worker._final_error(self.req, self.seq_no, ErrorCode.INTERNAL, str(exc)))
+
+    def _end(self, final) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.worker._tenants.pop(self.req.request_id, None)
+        final()
+        if self.worker.state == "ready":
+            self.worker._load_changed()

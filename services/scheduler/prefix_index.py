@@ -36,14 +36,26 @@ redis.call('SET', KEYS[1], ARGV[2] .. ':' .. seq)
 return 'ok'
 """
 
-# KEYS: seq key, replica set key. ARGV: replica, "<epoch>:<seq>" (or "" to delete), prefix, hashes...
+# KEYS: seq key, replica set key. ARGV: replica, "<epoch>:<seq>" (or "" to delete), prefix,
+# only_if_newer (1/0), hashes... With only_if_newer, a state of the same epoch at the same or a
+# later seq wins (another scheduler got there first): nothing changes.
 _REPLACE = """
 local replica, prefix = ARGV[1], ARGV[3]
+if ARGV[4] == '1' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur then
+    local sep, new_sep = string.find(cur, ':', 1, true), string.find(ARGV[2], ':', 1, true)
+    if string.sub(cur, 1, sep - 1) == string.sub(ARGV[2], 1, new_sep - 1)
+       and tonumber(string.sub(cur, sep + 1)) >= tonumber(string.sub(ARGV[2], new_sep + 1)) then
+      return 'stale'
+    end
+  end
+end
 for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   redis.call('SREM', prefix .. h, replica)
 end
 redis.call('DEL', KEYS[2])
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   redis.call('SADD', prefix .. ARGV[i], replica)
   redis.call('SADD', KEYS[2], ARGV[i])
 end
@@ -70,14 +82,17 @@ class PrefixIndex:
             args=[replica_id, epoch, seq, _prefix(model), len(stored), *stored, *removed])
         return result.decode() if isinstance(result, bytes) else result
 
-    async def replace(self, model: str, replica_id: str, epoch: str, seq: int, hashes) -> None:
-        """Make the index hold exactly `hashes` for this replica, as of its event batch `seq`."""
-        await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
-                            args=[replica_id, f"{epoch}:{seq}", _prefix(model), *hashes])
+    async def replace(self, model: str, replica_id: str, epoch: str, seq: int, hashes) -> str:
+        """Make the index hold exactly `hashes` for this replica, as of its event batch `seq`,
+        unless it already holds that state or a later one ('stale')."""
+        result = await self._replace(
+            keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
+            args=[replica_id, f"{epoch}:{seq}", _prefix(model), 1, *hashes])
+        return result.decode() if isinstance(result, bytes) else result
 
     async def remove_replica(self, model: str, replica_id: str) -> None:
         await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
-                            args=[replica_id, "", _prefix(model)])
+                            args=[replica_id, "", _prefix(model), 0])
 
     async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = 5.0) -> bool:
         return bool(await self.redis.set(keys.resync_lock(model, replica_id), b"1", nx=True, px=int(ttl_s * 1000)))
