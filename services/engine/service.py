@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -73,7 +74,7 @@ class EngineWorker:
         self._tenants: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task] = set()
         self._kv_queue: asyncio.Queue[tuple[int, KvEvents]] = asyncio.Queue()
-        self._outbox: list[tuple[str, bytes]] = []
+        self._outbox: deque[tuple[str, bytes]] = deque()
         self._outbox_ready = asyncio.Event()
         self.epoch = uuid.uuid4().hex[:12]  # KV event numbering restarts with the process
         self._stopping = asyncio.Event()
@@ -129,7 +130,8 @@ class EngineWorker:
 
     async def drain(self) -> None:
         """Stop taking work, let in-flight streams finish (up to drain_timeout), deregister."""
-        self.state = "draining"
+        if self.state != "failed":
+            self.state = "draining"
         log.info("draining", in_flight=self.engine.num_open_streams)
         await self._heartbeat_once()
         deadline = time.monotonic() + self.cfg.drain_timeout
@@ -139,14 +141,14 @@ class EngineWorker:
             self._drain_aborted.add(rid)
             self.engine.abort(rid)  # past the timeout: they end with an `unavailable` error
         deadline = time.monotonic() + 5
-        while self._tenants and time.monotonic() < deadline:  # the aborts' final chunks go out
+        while self._tenants and time.monotonic() < deadline:  # the aborts' final chunks are made
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.05)  # the publisher flushes them
         await self.stop()
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        await self._flush_outbox()  # chunks the publisher had not sent yet
         try:
             await registry.remove(self.redis, self.cfg.replica_id, self.cfg.deployment)
         except Exception as exc:
@@ -214,12 +216,16 @@ class EngineWorker:
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
-            batch, self._outbox = self._outbox, []
-            for subject, payload in batch:
-                try:
-                    await self.bus.publish(subject, payload)
-                except Exception as exc:  # NATS away: the caller's deadline ends the wait
-                    log.warning("chunk publish failed", error=str(exc))
+            await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        while self._outbox:  # one at a time: whatever a cancellation interrupts stays queued
+            subject, payload = self._outbox[0]
+            try:
+                await self.bus.publish(subject, payload)
+            except Exception as exc:  # NATS away: the caller's deadline ends the wait
+                log.warning("chunk publish failed", error=str(exc))
+            self._outbox.popleft()
 
     def _final_error(self, req: GenerateRequest, seq_no: int, code: str, message: str) -> None:
         self.metrics.finished("error")

@@ -375,6 +375,8 @@ class GatewayService:
                 return
             while True:
                 chunk = await queue.get()
+                if chunk.seq >= 0 and chunk.replica_id == replica and chunk.seq < expected:
+                    continue  # a duplicate (re-sent at shutdown): already delivered
                 if chunk.seq < 0 or chunk.replica_id in (replica, None):
                     break
 
