@@ -206,7 +206,8 @@ class LocalStack:
             for i in range(self.schedulers):
                 self._spawn(f"scheduler-{i}", ["services.scheduler", "--scheduler-id", f"scheduler-{i}",
                                                *self.scheduler_args, *common])
-            self._spawn("gateway", ["services.gateway", "--model", self.model_dir, "--port", str(self.port),
+            served = [] if "--serve" in self.gateway_args else ["--served-model-name", self.deployment]
+            self._spawn("gateway", ["services.gateway", "--model", self.model_dir, *served, "--port", str(self.port),
                                     "--gateway-id", "gateway-0", *self.gateway_args, *common])
             self.api_key = self._ensure_key()
             self.wait_ready(timeout)
