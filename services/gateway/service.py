@@ -82,7 +82,8 @@ class GatewayMetrics:
         self.e2e = Histogram("strata:gateway_e2e_request_latency_seconds", "HTTP arrival to the final token.",
                              ["model_name"], registry=r)
         self.active = Gauge("strata:gateway_active_requests", "Requests being served.", registry=r)
-        self.cancels = Counter("strata:gateway_client_disconnects", "Requests cancelled by the client leaving.",
+        self.cancels = Counter("strata:gateway_cancelled_requests",
+                               "Requests the gateway cancelled downstream (client left, or the stream broke).",
                                registry=r)
 
 
@@ -100,6 +101,7 @@ class GatewayService:
         self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
         self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
         self._completion_tokens: dict[str, int] = {}  # request id -> tokens streamed so far
+        self._background: set[asyncio.Task] = set()
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -277,12 +279,6 @@ class GatewayService:
                          f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                          f"{parsed.sampling.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
                          "context_length_exceeded")
-        charged, charged_at = len(ids) + parsed.sampling.max_tokens, time.time()
-        over = await self.keys.charge(key, charged) if self.cfg.require_auth else None
-        if over is not None:
-            what, retry_after = over
-            raise ApiError(429, f"rate limit reached for {what} per minute", "rate_limit_error", None,
-                           "rate_limit_exceeded", retry_after=retry_after)
         timeout = self.cfg.request_timeout
         if "Strata-Timeout" in request.headers:
             try:
@@ -290,6 +286,12 @@ class GatewayService:
                 assert 0 < timeout <= 86400
             except (ValueError, AssertionError):
                 raise oa.bad("header Strata-Timeout must be a number of seconds in (0, 86400]") from None
+        charged, charged_at = len(ids) + parsed.sampling.max_tokens, time.time()
+        over = await self.keys.charge(key, charged) if self.cfg.require_auth else None
+        if over is not None:
+            what, retry_after = over
+            raise ApiError(429, f"rate limit reached for {what} per minute", "rate_limit_error", None,
+                           "rate_limit_exceeded", retry_after=retry_after)
         rid = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid)
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
@@ -326,7 +328,9 @@ class GatewayService:
         finally:
             if self.cfg.require_auth:  # charge what was used, not the estimate
                 used = len(ids) + self._completion_tokens.pop(rid, 0)
-                asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
+                task = asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             timer.cancel()
             self.metrics.active.dec()
             self._streams.pop(rid, None)
