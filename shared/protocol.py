@@ -444,6 +444,7 @@ class SchedulerStats(Message):
     queue_depth: dict[str, int] = field(default_factory=dict)  # model -> requests waiting
     oldest_wait_s: dict[str, float] = field(default_factory=dict)  # model -> longest wait so far
     timestamp: float = 0.0
+    http_url: str = ""  # its /metrics and /health
 
 
 @dataclass

@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--load-weight", type=float, default=8.0,
                    help="kv_aware: blocks of prefill that one request of load on a replica is worth")
     p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     Settings.add_arguments(p)
     args = p.parse_args(argv)
     settings = Settings.from_args(args)
@@ -35,7 +36,8 @@ def main(argv=None) -> int:
     policies = dict(item.split("=", 1) for item in args.policy_for)
     service = SchedulerService(SchedulerConfig(
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
-        load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue))
+        load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
+        http_port=args.http_port))
     aio.run(aio.serve_until_signalled(service))
     return 0
 

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
@@ -44,6 +45,8 @@ class SchedulerConfig:
     max_attempts: int = 3
     max_queue: int = 1024
     registry_sync_interval: float = 1.0
+    http_host: str = "127.0.0.1"
+    http_port: int = 0  # /metrics and /health (0: any free port)
     lease_ttl: float = 5.0
     seed: int | None = None
 
@@ -82,6 +85,8 @@ class SchedulerService:
         self.index: PrefixIndex | None = None
         self._tasks: set[asyncio.Task] = set()
         self._resyncing: set[tuple[str, str]] = set()
+        self._runner: web.AppRunner | None = None
+        self.http_url = ""
         self._deployment_policy: dict[str, str] = {}
         self._wake_dispatch = asyncio.Event()
         self._dispatched: dict[str, int] = {}  # model -> dispatched from its queue this second
@@ -106,7 +111,26 @@ class SchedulerService:
         self._spawn(self._registry_loop())
         self._spawn(self._dispatch_loop())
         self._spawn(self._stats_loop())
-        log.info("scheduler ready", policy=self.cfg.policy)
+        await self._start_http()
+        log.info("scheduler ready", policy=self.cfg.policy, http=self.http_url)
+
+    async def _start_http(self) -> None:
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def health(_request: web.Request) -> web.Response:
+            connected = self.bus.nc.is_connected
+            return web.json_response({"scheduler_id": self.cfg.scheduler_id, "nats": connected},
+                                     status=200 if connected else 503)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
+        await site.start()
+        self.http_url = f"http://{self.cfg.http_host}:{site._server.sockets[0].getsockname()[1]}"
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -117,6 +141,8 @@ class SchedulerService:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
         for model, queue in self.queues.items():  # what we held ends with an error, not silence
             while (item := queue.pop()) is not None:
                 await self._fail(item.payload, ErrorCode.UNAVAILABLE, "scheduler shutting down")
@@ -350,7 +376,7 @@ class SchedulerService:
             stats = SchedulerStats(scheduler_id=self.cfg.scheduler_id,
                                    queue_depth={m: len(q) for m, q in self.queues.items()},
                                    oldest_wait_s={m: q.oldest_wait(now) for m, q in self.queues.items()},
-                                   timestamp=time.time())
+                                   timestamp=time.time(), http_url=self.http_url)
             try:
                 await self.bus.publish(protocol.scheduler_stats(self.cfg.scheduler_id), stats)
             except Exception as exc:

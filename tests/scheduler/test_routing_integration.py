@@ -4,6 +4,7 @@ import asyncio
 import random
 import time
 
+import aiohttp
 import pytest
 
 from shared import keys, protocol
@@ -78,6 +79,37 @@ async def test_distinct_prefixes_spread_over_replicas(stack, bus):
     finals = await asyncio.gather(*(run(bus, [rng.randrange(8, 4000) for _ in range(200)], max_tokens=30)
                                     for _ in range(12)))
     assert len({f.replica_id for f in finals}) == 3
+
+
+async def test_scheduler_metrics(stack, bus):
+    urls: dict[str, str] = {}
+
+    async def on_stats(msg):
+        stats = protocol.decode(protocol.SchedulerStats, msg.data)
+        urls[stats.scheduler_id] = stats.http_url
+
+    sub = await bus.nc.subscribe(protocol.SCHEDULER_STATS_ALL, cb=on_stats)
+    deadline = time.monotonic() + 5
+    while len(urls) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await sub.unsubscribe()
+    assert set(urls) == {"scheduler-0", "scheduler-1"}
+    texts = []
+    async with aiohttp.ClientSession() as http:
+        for url in urls.values():
+            async with http.get(url + "/health") as resp:
+                assert resp.status == 200
+            async with http.get(url + "/metrics") as resp:
+                texts.append(await resp.text())
+    for name in ("strata:scheduler_decisions_total", "strata:scheduler_kv_event_batches_total",
+                 "strata:scheduler_queue_depth", "strata:scheduler_retries_total"):
+        assert all(name in text for text in texts), name
+    # The two schedulers shared the earlier tests' requests: together they routed them by kv_aware.
+    routed = [line for text in texts for line in text.splitlines()
+              if line.startswith("strata:scheduler_decisions_total{") and 'policy="kv_aware"' in line
+              and 'outcome="routed"' in line]
+    assert routed and sum(float(line.rsplit(" ", 1)[1]) for line in routed) >= 7
+    assert any("strata:scheduler_matched_prefix_fraction_bucket" in text for text in texts)
 
 
 async def index_holders_of(redis, replica_id) -> int:
