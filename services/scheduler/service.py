@@ -84,7 +84,7 @@ class SchedulerService:
         self.redis = None
         self.index: PrefixIndex | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._resyncing: set[tuple[str, str]] = set()
+        self._resyncing: dict[tuple[str, str], list[KvEventBatch]] = {}  # batches that arrived meanwhile
         self._runner: web.AppRunner | None = None
         self.http_url = ""
         self._deployment_policy: dict[str, str] = {}
@@ -159,6 +159,16 @@ class SchedulerService:
             self._wake_dispatch.set()
 
     async def on_kv_events(self, batch: KvEventBatch, _raw) -> None:
+        key = (batch.model, batch.replica_id)
+        if key in self._resyncing:  # applied after the snapshot, in order, instead of being lost
+            self._resyncing[key].append(batch)
+            self.metrics.index_events.labels("buffered").inc()
+            return
+        outcome = await self._apply(batch)
+        if outcome == "gap":
+            self._spawn(self.resync(batch.model, batch.replica_id))
+
+    async def _apply(self, batch: KvEventBatch) -> str:
         stored = [s.block_hash for s in batch.stored]
         if batch.cleared:  # a (re)started engine: its cache began empty
             await self.index.replace(batch.model, batch.replica_id, batch.epoch, batch.seq,
@@ -168,26 +178,33 @@ class SchedulerService:
             outcome = await self.index.apply(batch.model, batch.replica_id, batch.epoch, batch.seq, stored,
                                              batch.removed)
         self.metrics.index_events.labels(outcome).inc()
-        if outcome == "gap":
-            self._spawn(self.resync(batch.model, batch.replica_id))
+        return outcome
 
     async def resync(self, model: str, replica_id: str) -> None:
-        """Rebuild one replica's index entries from its snapshot (one scheduler at a time)."""
+        """Rebuild one replica's index entries from its snapshot (one scheduler at a time), then
+        apply the batches that arrived meanwhile."""
         key = (model, replica_id)
         if key in self._resyncing or not await self.index.try_lock_resync(model, replica_id):
             return
-        self._resyncing.add(key)
+        self._resyncing[key] = []
+        gap = False
         try:
             reply = await self.bus.request(protocol.engine_kv_snapshot(replica_id), KvSnapshotRequest(replica_id),
                                            timeout=5)
             snap = protocol.decode(KvSnapshot, reply.data)
             await self.index.replace(model, replica_id, snap.epoch, snap.seq, snap.block_hashes)
             log.info("prefix index resynced", replica_id=replica_id, blocks=len(snap.block_hashes), seq=snap.seq)
+            while self._resyncing[key]:  # more may arrive while these are applied
+                pending, self._resyncing[key] = self._resyncing[key], []
+                for batch in sorted(pending, key=lambda b: b.seq):
+                    gap = gap or await self._apply(batch) == "gap"
         except Exception as exc:
             log.warning("prefix index resync failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
         finally:
-            self._resyncing.discard(key)
+            self._resyncing.pop(key, None)
             await self.index.unlock_resync(model, replica_id)
+        if gap:  # a batch was lost for good during the resync: once more
+            self._spawn(self.resync(model, replica_id))
 
     async def sync_registry(self, deep: bool = False) -> None:
         models = set(self.view.models()) | set(await registry.models(self.redis))
