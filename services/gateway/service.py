@@ -248,21 +248,33 @@ class GatewayService:
             if bad is not None:
                 raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
         else:
-            ids = model.tokenizer.encode(parsed.prompt_text)
+            ids = await self._off_loop(len(parsed.prompt_text), model.tokenizer.encode, parsed.prompt_text)
         return await self._serve(request, key, parsed, model, ids)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         key = await self._authenticate(request)
         parsed, messages = oa.parse_chat(await read_json(request))
         model = self._model(parsed.model)
-        try:
+
+        def render() -> list[int]:
             text = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return model.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            ids = await self._off_loop(sum(len(m["content"]) for m in messages), render)
         except Exception as exc:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
-        ids = model.tokenizer.encode(text, add_special_tokens=False)
         if parsed.extra.get("max_tokens_unset"):
             parsed.sampling.max_tokens = max(model.max_model_len - len(ids), 1)
         return await self._serve(request, key, parsed, model, ids)
+
+    @staticmethod
+    async def _off_loop(size: int, fn, *args):
+        """Tokenize small inputs inline (cheaper than a thread hop); large ones on a worker
+        thread, so one huge prompt does not stall every stream this gateway serves."""
+        if size < 16_384:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name)
