@@ -377,6 +377,7 @@ class GenerateAck(Message):
     replica_id: str
     accepted: bool
     error: ErrorInfo | None = None
+    accepted_seq: int = 0  # engine: this request's place in its count of accepted requests
 
 
 @dataclass
@@ -401,6 +402,7 @@ class Heartbeat(Message):
     tokens_per_s: float = 0.0
     block_size: int = 16
     max_num_seqs: int = 64
+    accepted_total: int = 0  # requests accepted so far: running/waiting include every one up to here
     timestamp: float = 0.0
 
 

@@ -85,6 +85,7 @@ class EngineWorker:
         self.exit_code = 0
         self._drain_aborted: set[str] = set()
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
+        self._accepted_total = 0
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,9 +192,11 @@ class EngineWorker:
             await self._refuse(req, raw, ErrorCode.UNAVAILABLE, str(exc))
             return
         self._tenants[req.request_id] = req.tenant
+        self._accepted_total += 1
         sink.start_deadline()
         if raw.reply:
-            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True))
+            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True,
+                                                          accepted_seq=self._accepted_total))
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the
@@ -303,7 +306,8 @@ class EngineWorker:
             kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
             tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
-            max_num_seqs=self.engine.engine.args.max_num_seqs, timestamp=time.time())
+            max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,
+            timestamp=time.time())
 
     def _update_rate(self) -> None:
         now, tokens = time.monotonic(), self.engine.tokens_generated

@@ -26,13 +26,26 @@ class ReplicaState:
     kv_blocks_total: int = 1
     max_num_seqs: int = 64
     block_size: int = 16
-    inflight: int = 0  # requests this scheduler sent since the replica's last report
+    inflight: int = 0  # requests this scheduler sent that the replica has not acknowledged yet
+    # Accept numbers of requests it acknowledged that its last report did not count yet.
+    unreported: list[int] = field(default_factory=list)
+    accepted_reported: int = 0  # the accepted_total of its last report
     last_seen: float = 0.0
 
     @property
     def load(self) -> int:
-        """Requests on the replica, counting ones routed since its last report."""
-        return self.running + self.waiting + self.inflight
+        """Requests on the replica: its last report, plus what this scheduler sent since."""
+        return self.running + self.waiting + self.inflight + len(self.unreported)
+
+    def reported(self, accepted_total: int) -> None:
+        """A report counts every request the replica accepted up to accepted_total."""
+        self.accepted_reported = accepted_total
+        self.unreported = [s for s in self.unreported if s > accepted_total]
+
+    def acknowledged(self, accepted_seq: int) -> None:
+        """The replica took a request from us; count it until a report includes it."""
+        if accepted_seq > self.accepted_reported:
+            self.unreported.append(accepted_seq)
 
     @property
     def kv_usage(self) -> float:

@@ -22,7 +22,8 @@ class ReplicaView:
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs = hb.block_size, hb.max_num_seqs
-        r.inflight, r.last_seen = 0, now
+        r.reported(hb.accepted_total)
+        r.last_seen = now
         per_model[hb.replica_id] = r
 
     def sync_registry(self, model: str, live: dict[str, dict[str, str]], now: float | None = None) -> None:

@@ -336,13 +336,14 @@ class SchedulerService:
             choice.inflight += 1
             req.timestamps["scheduler_routed"] = time.time()
             ack = await self._forward(req, choice.replica_id)
+            choice.inflight -= 1
             if ack is not None and ack.accepted:
+                choice.acknowledged(ack.accepted_seq)
                 self.metrics.decisions.labels(req.model, policy, "routed").inc()
                 if hashes:
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                 self.metrics.routing_time.observe(time.time() - received)
                 return
-            choice.inflight -= 1
             if ack is None:
                 # No answer in time: the engine may still have taken it. Cancel there before
                 # trying elsewhere, so the request never runs twice into one stream.

@@ -67,3 +67,15 @@ def test_saturation_and_unknown_policy():
     assert ReplicaState("z", kv_blocks_used=99, kv_blocks_total=100).saturated
     with pytest.raises(ValueError):
         Router().rank("fastest", replicas(1))
+
+
+def test_requests_count_as_load_until_a_report_includes_them():
+    r = ReplicaState("r", running=2)
+    r.reported(10)
+    r.acknowledged(11)
+    r.acknowledged(12)
+    assert r.load == 4
+    r.reported(11)  # a report that saw request 11 (in running/waiting) but not 12 yet
+    assert r.unreported == [12] and r.load == 3
+    r.acknowledged(9)  # acknowledged after a report that already counted it: not twice
+    assert r.unreported == [12]
