@@ -73,7 +73,8 @@ async def converse(http, stack, conv, args, records, seen_blocks) -> None:
 async def run_policy(policy: str, model_dir: Path, args, workload) -> dict:
     engine_flags = ["--threads", "1", "--num-kv-blocks", str(args.kv_blocks), "--log-level", "warning"]
     with LocalStack(str(model_dir), engines=4, engine_args=engine_flags,
-                    scheduler_args=["--policy", policy, "--log-level", "warning"],
+                    scheduler_args=["--policy", policy, "--load-weight", str(args.load_weight),
+                                    "--log-level", "warning"],
                     gateway_args=["--log-level", "warning"]) as stack:
         await asyncio.sleep(1.5)  # the scheduler has heard every replica
         records: list[dict] = []
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=256,
                         help="per engine: smaller than all system prompts together, as in a real fleet")
+    parser.add_argument("--load-weight", type=float, default=4.0, help="the scheduler's kv_aware load weight")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "routing.json"))
     args = parser.parse_args()

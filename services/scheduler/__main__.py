@@ -21,7 +21,7 @@ def main(argv=None) -> int:
                    help="default routing policy")
     p.add_argument("--policy-for", action="append", default=[], metavar="MODEL=POLICY",
                    help="routing policy of one deployment (repeatable)")
-    p.add_argument("--load-weight", type=float, default=8.0,
+    p.add_argument("--load-weight", type=float, default=4.0,
                    help="kv_aware: blocks of prefill that one request of load on a replica is worth")
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")

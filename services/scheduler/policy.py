@@ -82,7 +82,7 @@ def prefix_overlaps(holders: list[set[str]], replica_ids: list[str]) -> dict[str
 class Router:
     """Chooses replicas; holds only the round-robin cursor and a seeded RNG for ties."""
 
-    def __init__(self, load_weight: float = 8.0, seed: int | None = None):
+    def __init__(self, load_weight: float = 4.0, seed: int | None = None):
         self.load_weight = load_weight
         self.rng = random.Random(seed)
         self._rr = itertools.count()

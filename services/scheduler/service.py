@@ -40,7 +40,7 @@ class SchedulerConfig:
     scheduler_id: str = "scheduler"
     policy: str = "kv_aware"  # default for deployments that do not choose
     policies: dict[str, str] = field(default_factory=dict)  # deployment -> policy
-    load_weight: float = 8.0  # kv_aware: blocks of prefill one request of load is worth
+    load_weight: float = 4.0  # kv_aware: blocks of prefill one request of load is worth
     ack_timeout: float = 2.0
     max_attempts: int = 3
     max_queue: int = 1024
