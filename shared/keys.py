@@ -44,12 +44,8 @@ def rate_counter(key_hash: str, kind: str, window: int) -> str:
 
 
 def deployment(name: str) -> str:
+    """Hash: a deployment's settings (e.g. routing_policy), read by the schedulers."""
     return f"{PREFIX}:deployment:{name}"
 
 
-def deployment_revisions(name: str) -> str:
-    return f"{PREFIX}:deployment:{name}:revisions"
-
-
-DEPLOYMENTS = f"{PREFIX}:deployments"
 MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica

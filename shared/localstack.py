@@ -139,14 +139,6 @@ class LocalInfra:
         log.info("valkey started", url=managed.url)
         return managed
 
-    def restart(self, name: str, timeout: float = 20.0) -> ManagedProcess:
-        """Stop and start one of our servers on the same port (fault tests)."""
-        old = next(p for p in self.processes if p.name == name)
-        old.stop()
-        self.processes.remove(old)
-        starter = self.start_nats if name == "nats" else self.start_valkey
-        return starter(timeout, port=old.port)
-
     def _logfile(self, name: str, port: int):
         return open(self.workdir / f"{name}-{port}.log", "ab")
 
@@ -164,6 +156,12 @@ class LocalInfra:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def engine_module_args(model_dir, replica_id: str, deployment: str, infra: LocalInfra, *extra: str) -> list[str]:
+    """`python -m` arguments of one engine worker on this infrastructure."""
+    return ["services.engine", "--model", str(model_dir), "--replica-id", replica_id, "--deployment", deployment,
+            "--nats-url", infra.nats_url, "--redis-url", infra.redis_url, "--log-format", "json", *extra]
 
 
 @dataclass
@@ -217,10 +215,8 @@ class LocalStack:
         return self
 
     def start_engine(self, replica_id: str, *extra: str) -> subprocess.Popen:
-        return self._spawn(replica_id, ["services.engine", "--model", self.model_dir, "--replica-id", replica_id,
-                                        "--deployment", self.deployment, "--nats-url", self.infra.nats_url,
-                                        "--redis-url", self.infra.redis_url, "--log-format", "json",
-                                        *self.engine_args, *extra])
+        return self._spawn(replica_id, engine_module_args(self.model_dir, replica_id, self.deployment, self.infra,
+                                                          *self.engine_args, *extra))
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "ab") as log_file:

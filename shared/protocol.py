@@ -28,9 +28,7 @@ SCHEDULER_QUEUE = "strata-schedulers"
 CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks ownership)
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.>"
-CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
-LOGS_ALL = f"{PREFIX}.logs.>"
 
 
 def _token(name: str) -> str:
@@ -68,10 +66,6 @@ def kv_events(model: str, replica_id: str) -> str:
 
 def scheduler_stats(scheduler_id: str) -> str:
     return f"{PREFIX}.scheduler.{_token(scheduler_id)}.stats"
-
-
-def logs(service: str) -> str:
-    return f"{PREFIX}.logs.{_token(service)}"
 
 
 # ---- Headers --------------------------------------------------------------------------------
@@ -447,10 +441,3 @@ class SchedulerStats(Message):
     oldest_wait_s: dict[str, float] = field(default_factory=dict)  # model -> longest wait so far
     timestamp: float = 0.0
     http_url: str = ""  # its /metrics and /health
-
-
-@dataclass
-class DeploymentChanged(Message):
-    name: str
-    revision: int
-    action: str  # apply | canary | promote | rollback | delete

@@ -25,11 +25,6 @@ async def remove(redis: aioredis.Redis, replica_id: str, model: str) -> None:
         await pipe.execute()
 
 
-async def live_replicas(redis: aioredis.Redis, model: str) -> dict[str, dict[str, str]]:
-    """Replicas of a model whose lease is alive, with their fields; prunes expired members."""
-    return (await sweep(redis, model))[0]
-
-
 async def sweep(redis: aioredis.Redis, model: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     """(live replicas with their fields, replicas whose lease is gone); prunes the gone ones."""
     members = [m.decode() for m in await redis.smembers(keys.model_replicas(model))]

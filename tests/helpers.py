@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared import keys, protocol
+from shared.localstack import engine_module_args
 from shared.protocol import GenerateRequest, TokenChunk
 
 
@@ -40,9 +41,7 @@ def start_worker(infra, model_dir, tmp_path, replica_id: str | None = None, *ext
                  deployment: str = "tiny") -> WorkerProcess:
     replica_id = replica_id or f"w-{uuid.uuid4().hex[:6]}"
     log_path = str(tmp_path / f"{replica_id}.log")
-    cmd = [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--replica-id", replica_id,
-           "--deployment", deployment, "--nats-url", infra.nats_url, "--redis-url", infra.redis_url,
-           "--log-format", "json", *extra]
+    cmd = [sys.executable, "-m", *engine_module_args(model_dir, replica_id, deployment, infra, *extra)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     return WorkerProcess(replica_id, proc, log_path)

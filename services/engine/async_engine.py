@@ -82,18 +82,6 @@ class RequestStream:
     def fail(self, exc: BaseException) -> None:
         self.queue.put_nowait(exc)
 
-    def drain_ready(self) -> list[RequestOutput]:
-        """Outputs already delivered and not yet read (to batch them into one message)."""
-        items = []
-        while not self.finished and not self.queue.empty():
-            item = self.queue.get_nowait()
-            if isinstance(item, BaseException):
-                self.queue.put_nowait(item)  # raise it on the next __anext__
-                break
-            items.append(item)
-            self.finished = item.finished
-        return items
-
 
 class AsyncLLMEngine:
     """`engine_factory` builds the LLMEngine inside the loop thread: torch runs 15-25% slower on

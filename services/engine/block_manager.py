@@ -160,12 +160,6 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached block that is not in use."""
-        for h, block_id in list(self.cached.items()):
-            if self.blocks[block_id].ref_count == 0:
-                self._uncache(self.blocks[block_id])
-
     def drain_events(self) -> KvEvents:
         events, self.events = self.events, KvEvents()
         return events

@@ -71,13 +71,6 @@ class LlamaModel:
             for name in layer.tensors():
                 setattr(layer, name, conv(getattr(layer, name)))
 
-    @property
-    def num_parameters(self) -> int:
-        n = self.embed.numel() + self.norm.numel() + (0 if self.lm_head is self.embed else self.lm_head.numel())
-        for layer in self.layers:
-            n += sum(getattr(layer, t).numel() for t in layer.tensors() if getattr(layer, t) is not None)
-        return n
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""

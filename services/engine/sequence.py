@@ -64,10 +64,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")

@@ -294,8 +294,8 @@ class EngineWorker:
             await self.bus.publish(raw.reply, KvSnapshot(replica_id=self.cfg.replica_id, seq=seq,
                                                          block_hashes=sorted(hashes), epoch=self.epoch))
 
-    def heartbeat(self) -> Heartbeat:
-        stats = self.engine.engine.stats()
+    def heartbeat(self, stats: dict | None = None) -> Heartbeat:
+        stats = stats or self.engine.engine.stats()
         queries = stats["prefix_cache_queries"]
         return Heartbeat(
             replica_id=self.cfg.replica_id, model=self.cfg.deployment, deployment=self.cfg.deployment,
@@ -325,8 +325,9 @@ class EngineWorker:
 
     async def _heartbeat_once(self) -> None:
         self._update_rate()
-        hb = self.heartbeat()
-        self.metrics.update_engine(self.engine.engine.stats())
+        stats = self.engine.engine.stats()
+        hb = self.heartbeat(stats)
+        self.metrics.update_engine(stats)
         self._last_heartbeat = time.monotonic()
         await self.bus.publish(protocol.heartbeat(self.cfg.replica_id), hb)
         fields = {k: v for k, v in hb.to_dict().items()}

@@ -355,7 +355,9 @@ class GatewayService:
     async def _submit(self, gen: GenerateRequest) -> str:
         """Hand the request to a scheduler; returns the id of the scheduler that took it."""
         try:
-            reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout)
+            reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout,
+                                           headers={protocol.HEADER_REQUEST_ID: gen.request_id,
+                                                    protocol.HEADER_DEADLINE: f"{gen.deadline:.3f}"})
         except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError):
             raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
                            retry_after=1.0) from None

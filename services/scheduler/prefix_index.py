@@ -100,9 +100,6 @@ class PrefixIndex:
     async def unlock_resync(self, model: str, replica_id: str) -> None:
         await self.redis.delete(keys.resync_lock(model, replica_id))
 
-    async def replica_hashes(self, model: str, replica_id: str) -> set[int]:
-        return {int(h) for h in await self.redis.smembers(keys.replica_blocks(model, replica_id))}
-
     async def holders(self, model: str, hashes: list[int]) -> list[set[str]]:
         """For each block hash, the replicas holding it: one round trip."""
         if not hashes:

@@ -55,6 +55,3 @@ class ReplicaView:
 
     def models(self) -> list[str]:
         return [m for m, reps in self.replicas.items() if reps]
-
-    def forget(self, model: str, replica_id: str) -> None:
-        self.replicas.get(model, {}).pop(replica_id, None)
