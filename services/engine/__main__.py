@@ -14,7 +14,7 @@ from shared.logging import configure_logging
 from shared.settings import Settings
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.engine", description="Strata engine worker")
     p.add_argument("--replica-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--deployment", default="", help="served model name (default: the model directory's name)")
@@ -36,11 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--threads", type=int, default=0, help="torch threads for the model (0: torch's default)")
     e.add_argument("--debug-step-delay", type=float, default=0.0, help="test only: slow every step down")
     Settings.add_arguments(p)
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
     configure_logging("engine", settings.log_format, settings.log_level)
     if not settings.model:

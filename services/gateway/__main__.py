@@ -13,7 +13,7 @@ from shared.logging import configure_logging
 from shared.settings import Settings
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description="Strata OpenAI-compatible gateway")
     p.add_argument("--serve", action="append", default=[], metavar="DIR",
                    help="a model directory to serve (repeatable; default: --model)")
@@ -24,7 +24,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-auth", action="store_true", help="development only: accept requests without a key")
     p.add_argument("--request-timeout", type=float, default=600.0)
     Settings.add_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
     configure_logging("gateway", settings.log_format, settings.log_level)
     models = args.serve or ([settings.model] if settings.model else [])

@@ -13,7 +13,7 @@ from shared.logging import configure_logging
 from shared.settings import Settings
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.scheduler", description="Strata scheduler")
     p.add_argument("--scheduler-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--ack-timeout", type=float, default=2.0)
@@ -26,7 +26,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     Settings.add_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
     configure_logging("scheduler", settings.log_format, settings.log_level)
     if not settings.nats_url or not settings.redis_url:
