@@ -22,6 +22,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def error_response(exc: ApiError):
+    """The aiohttp response of an ApiError, with Retry-After when it has one."""
+    from aiohttp import web
+
+    headers = {}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(int(exc.retry_after + 0.999), 1))
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)
 
@@ -278,7 +288,8 @@ def strata_extension(final: TokenChunk, published: float, first_chunk_at: float,
         "engine_decode": t.get("engine_decode", 0.0),
         "e2e": done - arrival,
     }
-    return {"replica_id": final.replica_id, "timings": {k: round(max(v, 0.0), 6) for k, v in timings.items()}}
+    return {"replica_id": final.replica_id, "revision": final.revision,
+            "timings": {k: round(max(v, 0.0), 6) for k, v in timings.items()}}
 
 
 def now() -> int:
