@@ -31,6 +31,7 @@ KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
+GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 
 
 def _token(name: str) -> str:
@@ -68,6 +69,10 @@ def kv_events(model: str, replica_id: str) -> str:
 
 def scheduler_stats(scheduler_id: str) -> str:
     return f"{PREFIX}.scheduler.{_token(scheduler_id)}.stats"
+
+
+def gateway_stats(gateway_id: str) -> str:
+    return f"{PREFIX}.gateway.{_token(gateway_id)}.stats"
 
 
 # ---- Headers --------------------------------------------------------------------------------
@@ -476,3 +481,17 @@ class ScalerDecision(Message):
     reason: str = ""
     panic: bool = False
     timestamp: float = 0.0
+
+
+@dataclass
+class GatewayStats(Message):
+    """A gateway's requests since its previous report (every couple of seconds), with where
+    their time went by layer: control's dashboard and `strata diagnose` read it."""
+
+    gateway_id: str
+    http_url: str = ""  # its /metrics and /health
+    timestamp: float = 0.0
+    interval_s: float = 0.0
+    completed: dict[str, int] = field(default_factory=dict)  # model -> requests completed
+    failed: dict[str, int] = field(default_factory=dict)  # model -> requests that ended in an error
+    layer_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> layer -> sum

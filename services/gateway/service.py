@@ -30,8 +30,8 @@ from shared import protocol
 from shared.bus import Bus
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.logging import get_logger
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, SchedulerStats,
-                             TokenChunk)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest,
+                             SchedulerStats, TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -109,6 +109,8 @@ class GatewayService:
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self._report = GatewayStats(gateway_id=cfg.gateway_id)  # accumulates until published
+        self._report_started = time.monotonic()
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -126,6 +128,7 @@ class GatewayService:
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
+        self._reporter = asyncio.create_task(self._report_loop())
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -136,6 +139,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         self._watchdog.cancel()
+        self._reporter.cancel()
         self.deployments.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -210,6 +214,28 @@ class GatewayService:
                         self._spawn_cancel(rid)
                         queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
                             code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
+
+    def _account(self, model: str, timings: dict[str, float] | None) -> None:
+        """Count a finished request (timings) or a failed one (None) in the next report."""
+        if timings is None:
+            self._report.failed[model] = self._report.failed.get(model, 0) + 1
+            return
+        self._report.completed[model] = self._report.completed.get(model, 0) + 1
+        layers = self._report.layer_seconds.setdefault(model, {})
+        for layer, seconds in timings.items():
+            layers[layer] = layers.get(layer, 0.0) + seconds
+
+    async def _report_loop(self, interval: float = 2.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            report, self._report = self._report, GatewayStats(gateway_id=self.cfg.gateway_id)
+            now = time.monotonic()
+            report.http_url, report.timestamp = self.url, time.time()
+            report.interval_s, self._report_started = now - self._report_started, now
+            try:
+                await self.bus.publish(protocol.gateway_stats(self.cfg.gateway_id), report)
+            except Exception as exc:
+                log.warning("stats publish failed", error=str(exc))
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
@@ -362,6 +388,7 @@ class GatewayService:
             self._held_by.pop(rid, None)
             if first.error is not None:
                 finished = first.replica_id is not None  # from the engine itself: nothing runs on
+                self._account(model.name, None)
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
             times = (arrival, published, first_at)
@@ -438,6 +465,7 @@ class GatewayService:
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
+                self._account(model.name, None)
                 raise oa.from_engine_error(chunk.error.code, chunk.error.message)
             chunks.append(chunk)
         final = chunks[-1]
@@ -451,6 +479,7 @@ class GatewayService:
             body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                       oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
         extension = oa.strata_extension(final, published, first_at, time.time())
+        self._account(model.name, extension["timings"])
         body["strata"] = extension
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return web.json_response(body, headers={"x-request-id": gen.request_id,
@@ -474,12 +503,14 @@ class GatewayService:
                         **usage_null})
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:  # after the first byte: in band, and the stream ends
+                self._account(model.name, None)
                 await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
                 await response.write_eof()
                 return response
             extension = {}
             if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
                 extension = {"strata": oa.strata_extension(chunk, published, first_at, time.time())}
+                self._account(model.name, extension["strata"]["timings"])
             on_last = {} if parsed.include_usage else extension
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
