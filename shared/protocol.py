@@ -287,6 +287,18 @@ class SamplingSpec(Message):
 
 
 @dataclass
+class Resume(Message):
+    """Marks a GenerateRequest as the continuation of a stream whose replica was lost: its
+    prompt is the original prompt followed by the completion tokens already delivered."""
+
+    request_id: str  # the original request
+    generated: int  # the last `generated` prompt tokens are the completion delivered so far
+    text_chars: int = 0  # characters of completion text already delivered
+    replica_id: str | None = None  # the replica the stream left: routing avoids it
+    attempt: int = 1  # 1 for the first migration, 2 for the second, ...
+
+
+@dataclass
 class GenerateRequest(Message):
     """A generation request; the token stream goes to `reply_to`."""
 
@@ -301,6 +313,8 @@ class GenerateRequest(Message):
     priority: str | None = None  # critical | standard | sheddable
     # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
     timestamps: dict[str, float] = field(default_factory=dict)
+    ack_to: str | None = None  # where the engine that accepts the request publishes its GenerateAck
+    resume: Resume | None = None  # set on the continuation of a stream that lost its replica
 
     def validate(self) -> None:
         if not self.request_id:
@@ -309,8 +323,18 @@ class GenerateRequest(Message):
             raise ProtocolError("GenerateRequest: reply_to must not be empty")
         if self.prompt is None and self.prompt_token_ids is None:
             raise ProtocolError("GenerateRequest: one of 'prompt' or 'prompt_token_ids' is required")
-        if any(c in self.reply_to for c in "*> \t\r\n") or self.reply_to.startswith(".") or ".." in self.reply_to:
-            raise ProtocolError(f"GenerateRequest: reply_to {self.reply_to!r} is not a valid subject")
+        for name in ("reply_to", "ack_to"):
+            subject = getattr(self, name)
+            if subject is not None and (any(c in subject for c in "*> \t\r\n") or subject.startswith(".")
+                                        or ".." in subject or subject.endswith(".")):
+                raise ProtocolError(f"GenerateRequest: {name} {subject!r} is not a valid subject")
+        if self.resume is not None:
+            if self.prompt_token_ids is None:
+                raise ProtocolError("GenerateRequest: a resumed request needs prompt_token_ids")
+            if not 0 <= self.resume.generated < len(self.prompt_token_ids):
+                raise ProtocolError("GenerateRequest: resume.generated must be in [0, len(prompt_token_ids))")
+            if self.resume.text_chars < 0:
+                raise ProtocolError("GenerateRequest: resume.text_chars must be >= 0")
         if self.prompt_token_ids is not None and any(not 0 <= t < 2**63 for t in self.prompt_token_ids):
             raise ProtocolError("GenerateRequest: prompt_token_ids must be in [0, 2**63)")
         s = self.sampling

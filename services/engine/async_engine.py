@@ -133,10 +133,11 @@ class AsyncLLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, sink: RequestSink | None = None) -> RequestSink:
+                    arrival_time: float | None = None, sink: RequestSink | None = None,
+                    resumed: tuple[int, int] = (0, 0)) -> RequestSink:
         """Queue a request; its outputs go to `sink`, by default a new RequestStream (an async
         iterator). A service streaming many requests passes its own sink and saves waking one
-        task per request per step."""
+        task per request per step. `resumed`: see LLMEngine.add_processed."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
         if request_id in self._streams:
@@ -144,7 +145,7 @@ class AsyncLLMEngine:
         text, ids = self.engine.inputs.process(prompt, params)
         stream = sink if sink is not None else RequestStream(request_id)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic()))
+        self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic(), resumed))
         self._wake.set()
         return stream
 
@@ -206,8 +207,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, text, ids, params, arrival = command
-                self.engine.add_processed(rid, text, ids, params, arrival)
+                _, rid, text, ids, params, arrival, resumed = command
+                self.engine.add_processed(rid, text, ids, params, arrival, resumed)
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
             else:  # snapshot

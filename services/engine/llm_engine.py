@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from services.engine.block_manager import BlockManager, KvEvents
 from services.engine.config import EngineArgs
 from services.engine.detokenizer import IncrementalDetokenizer
@@ -57,15 +59,39 @@ class LLMEngine:
         self.add_processed(request_id, text, ids, params, arrival_time)
 
     def add_processed(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None) -> None:
-        """Queue a request already validated by self.inputs (the async engine validates off-loop)."""
+                      arrival_time: float | None = None, resumed: tuple[int, int] = (0, 0)) -> None:
+        """Queue a request already validated by self.inputs (the async engine validates off-loop).
+
+        resumed=(generated, text_chars): the continuation of a stream another replica started
+        (protocol.Resume): the last `generated` ids are its completion so far, of which
+        `text_chars` characters of text were delivered, and max_tokens is what is left."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params.stop,
+        generated, text_chars = resumed
+        prompt_ids = ids[:len(ids) - generated]
+        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens, params.include_stop_str_in_output)
-        seq = Sequence(request_id, ids, params, detok, text, arrival_time)
+        seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
+        if generated:
+            self._resume(seq, ids[len(prompt_ids):], text_chars)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _resume(self, seq: Sequence, generated: list[int], text_chars: int) -> None:
+        """Make seq what it was on the replica that lost it: the same output tokens (so penalties,
+        max_tokens and usage count them), its seeded generator advanced past them, and the text
+        the caller has not received yet (held back at a stop-string or character boundary) still
+        to come. The re-prefill recomputes their KV like a preempted sequence's."""
+        seq.token_ids.extend(generated)
+        seq.params.max_tokens += len(generated)
+        seq.num_emitted_tokens = len(generated)
+        seq.logprobs = [{} for _ in generated]  # keeps later tokens' logprobs aligned; never emitted
+        if seq.generator is not None and not seq.params.greedy:
+            for _ in generated:  # the sampler draws one vocabulary-sized row per seeded token
+                torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+        if seq.params.stop or self.streaming:
+            seq.detokenizer.append(seq.token_ids)
+            seq.detokenizer.sent_offset = min(text_chars, len(seq.detokenizer.output_text))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""

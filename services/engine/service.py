@@ -185,7 +185,9 @@ class EngineWorker:
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
         sink = ChunkSink(self, req, arrival)
         try:
-            self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink)
+            resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
+            self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink,
+                                    resumed=resumed)
         except InvalidRequestError as exc:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
             return
@@ -195,9 +197,11 @@ class EngineWorker:
         self._tenants[req.request_id] = req.tenant
         self._accepted_total += 1
         sink.start_deadline()
+        ack = GenerateAck(req.request_id, self.cfg.replica_id, True, accepted_seq=self._accepted_total)
         if raw.reply:
-            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True,
-                                                          accepted_seq=self._accepted_total))
+            await self.bus.publish(raw.reply, ack)
+        if req.ack_to:  # the caller learns which replica runs its request (to follow it if it dies)
+            await self.bus.publish(req.ack_to, ack)
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the

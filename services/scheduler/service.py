@@ -268,6 +268,8 @@ class SchedulerService:
         if req.deadline is not None and req.deadline <= time.time():
             await self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was routed")
             return
+        if req.resume is not None and req.resume.replica_id:  # the replica the stream left is presumed dead
+            self.view.avoid(req.resume.replica_id)
         candidates = self.view.candidates(req.model)
         queue = self.queues.get(req.model)
         if candidates and not (queue and len(queue)) and not all(r.saturated for r in candidates):
