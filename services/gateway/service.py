@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from services.gateway import openai_api as oa
 from services.gateway.auth import ApiKey, KeyStore
+from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
 from shared import protocol
@@ -111,6 +112,7 @@ class GatewayService:
         self.url = ""
         self._report = GatewayStats(gateway_id=cfg.gateway_id)  # accumulates until published
         self._report_started = time.monotonic()
+        self.migration = Migrator(self)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,6 +130,7 @@ class GatewayService:
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
+        await self.migration.start()
         self._reporter = asyncio.create_task(self._report_loop())
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -140,6 +143,7 @@ class GatewayService:
     async def stop(self) -> None:
         self._watchdog.cancel()
         self._reporter.cancel()
+        self.migration.stop()
         self.deployments.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -191,7 +195,7 @@ class GatewayService:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
 
     def _spawn_cancel(self, rid: str) -> None:
-        task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=rid,
+        task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=self.migration.leg_id(rid),
                                                                               tenant=self._tenants.get(rid))))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
@@ -409,12 +413,14 @@ class GatewayService:
             self._streams.pop(rid, None)
             self._held_by.pop(rid, None)
             self._tenants.pop(rid, None)
+            leg_id = self.migration.forget(rid)
             if not finished:  # the client left, or something broke: free the engine's blocks now
                 self.metrics.cancels.inc()
-                await asyncio.shield(self._cancel(gen))
+                await asyncio.shield(self._cancel(gen, leg_id))
 
     async def _submit(self, gen: GenerateRequest) -> str:
         """Hand the request to a scheduler; returns the id of the scheduler that took it."""
+        self.migration.track(gen)
         try:
             reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout,
                                            headers={protocol.HEADER_REQUEST_ID: gen.request_id,
@@ -432,32 +438,26 @@ class GatewayService:
             raise oa.from_engine_error(error.code, error.message)
         return ack.replica_id
 
-    async def _cancel(self, gen: GenerateRequest) -> None:
+    async def _cancel(self, gen: GenerateRequest, leg_id: str) -> None:
         try:
-            await self.bus.publish(protocol.CANCEL, Cancel(request_id=gen.request_id, tenant=gen.tenant))
+            await self.bus.publish(protocol.CANCEL, Cancel(request_id=leg_id, tenant=gen.tenant))
         except Exception as exc:
             log.warning("cancel publish failed", error=str(exc))
 
     async def _chunks(self, first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
-        """The stream of one engine: chunks from any other replica are dropped (a request must
-        never interleave two engines' tokens), and a lost chunk ends the stream with an error."""
-        chunk, replica, expected = first, first.replica_id, first.seq
+        """The request's stream: its current leg's chunks in order, and nothing else (a request
+        must never interleave two engines' tokens). A request whose replica dies, or whose stream
+        loses a chunk, continues on another replica (services.gateway.migration)."""
+        flow, chunk = self.migration.flows[gen.request_id], first
         while True:
-            if chunk.seq >= 0 and chunk.replica_id == replica and chunk.seq != expected:
-                yield TokenChunk(request_id=gen.request_id, seq=chunk.seq, finish_reason="error", error=ErrorInfo(
-                    code=ErrorCode.INTERNAL, message=f"stream message {expected} was lost"))
-                return
-            expected += 1
-            self._completion_tokens[gen.request_id] = self._completion_tokens.get(gen.request_id, 0) + len(chunk.token_ids)
-            yield chunk
-            if chunk.is_final:
-                return
-            while True:
-                chunk = await queue.get()
-                if chunk.seq >= 0 and chunk.replica_id == replica and chunk.seq < expected:
-                    continue  # a duplicate (re-sent at shutdown): already delivered
-                if chunk.seq < 0 or chunk.replica_id in (replica, None):
-                    break
+            delivered = self.migration.accept(flow, chunk)
+            if delivered is not None:
+                self._completion_tokens[gen.request_id] = (self._completion_tokens.get(gen.request_id, 0)
+                                                           + len(delivered.token_ids))
+                yield delivered
+                if delivered.is_final:
+                    return
+            chunk = await queue.get()
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
                        queue: asyncio.Queue, times: tuple[float, float, float]) -> web.Response:

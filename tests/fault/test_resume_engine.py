@@ -58,7 +58,7 @@ def test_a_resumed_request_continues_the_uninterrupted_stream(engine, cut, sampl
 def test_text_held_back_for_a_stop_string_is_delivered_after_the_resume(engine):
     prompt = engine.tokenizer.encode(PROMPT)
     greedy = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
-    tokens, text, _, _ = run(engine, "probe", prompt, greedy)
+    _, text, _, _ = run(engine, "probe", prompt, greedy)
     stop = text[-12:]  # a stop string near the end: text before it is held back while it may start
     full_tokens, full_text, reason, _ = run(engine, "with-stop", prompt, SamplingParams(
         max_tokens=30, ignore_eos=True, temperature=0.0, stop=[stop]))

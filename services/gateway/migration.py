@@ -1,0 +1,201 @@
+"""Mid-stream migration: a request whose engine replica dies continues on another replica.
+
+A request the gateway serves is a flow of one or more legs. A leg is one engine's run of it, with
+its own request id on the bus (the original id, then `<id>-m1`, `<id>-m2`) and the request's
+reply subject. The gateway learns a leg's replica from the engine's acknowledgement (published
+to the request's `ack_to`) or from its chunks, and watches every replica's heartbeats. When a
+leg's replica falls silent, its stream loses a chunk, or it drains away from the request, the
+gateway cancels that leg (a replica presumed dead may be alive) and submits the next one: the
+original prompt followed by every completion token delivered so far, the same sampling with
+max_tokens reduced by them, and `resume` set, so the engine continues exactly where the client
+is (greedy and seeded output are the same as without the fault). Chunks of earlier legs are
+dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from services.gateway.openai_api import ApiError
+from shared import protocol
+from shared.logging import get_logger
+from shared.protocol import (
+    Cancel,
+    ErrorCode,
+    ErrorInfo,
+    GenerateAck,
+    GenerateRequest,
+    Heartbeat,
+    Resume,
+    TokenChunk,
+)
+
+log = get_logger()
+
+MAX_MIGRATIONS = 2
+REPLICA_DEAD_AFTER = 3.0  # seconds without a heartbeat (three missed beats) before a replica is presumed dead
+WATCH_INTERVAL = 0.25
+
+
+@dataclass
+class Flow:
+    gen: GenerateRequest  # the request as the client made it
+    queue: asyncio.Queue  # where the gateway reads the request's chunks
+    leg_id: str  # the current leg's request id on the bus
+    replica: str | None = None  # the current leg's replica, once known
+    expected_seq: int = 0  # next chunk seq of the current leg
+    token_ids: list[int] = field(default_factory=list)  # completion tokens delivered so far
+    text_chars: int = 0  # completion text delivered so far
+    migrations: int = 0
+    migrating: bool = False
+
+
+class Migrator:
+    """The gateway's side of migration: flows, replica liveness, the next leg's submission."""
+
+    def __init__(self, gateway):
+        self.gw = gateway
+        self.flows: dict[str, Flow] = {}
+        self.last_seen: dict[str, float] = {}  # replica id -> monotonic time of its last heartbeat
+        self._blind_until = 0.0  # after a NATS outage, silence says nothing about the replicas
+        self._tasks: set[asyncio.Task] = set()
+        self._watch: asyncio.Task | None = None
+        self.migrations = Counter("strata:gateway_migrations",
+                                  "Streams moved to another replica (migrated) or ended because they could not be "
+                                  "(failed), by reason.", ["outcome", "reason"], registry=gateway.metrics.registry)
+
+    async def start(self) -> None:
+        bus = self.gw.bus
+        await bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await bus.nc.subscribe(f"{self.gw._inbox}.*.routed", cb=self.on_routed)
+        self._watch = asyncio.create_task(self._watch_replicas())
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    # ---- flows ------------------------------------------------------------------------------
+    def track(self, gen: GenerateRequest) -> None:
+        """A new request (its first leg): follow it, and ask its engine to say where it runs."""
+        queue = self.gw._streams.get(gen.request_id)
+        if gen.resume is not None or queue is None:
+            return
+        gen.ack_to = f"{self.gw._inbox}.{gen.request_id}.routed"
+        self.flows[gen.request_id] = Flow(gen, queue, gen.request_id)
+
+    def leg_id(self, request_id: str) -> str:
+        flow = self.flows.get(request_id)
+        return flow.leg_id if flow is not None else request_id
+
+    def forget(self, request_id: str) -> str:
+        """The request ended; returns the id of its last leg (the one to cancel if it runs on)."""
+        flow = self.flows.pop(request_id, None)
+        return flow.leg_id if flow is not None else request_id
+
+    def accept(self, flow: Flow, chunk: TokenChunk) -> TokenChunk | None:
+        """The chunk to deliver to the client, or None: it belongs to an earlier leg, repeats one
+        already delivered, or shows the leg is lost (then the next leg is on its way)."""
+        if chunk.seq < 0:  # the gateway's own final error (deadline, dead scheduler, failed migration)
+            return chunk
+        if chunk.request_id != flow.leg_id or chunk.seq < flow.expected_seq:
+            return None
+        if chunk.seq > flow.expected_seq:
+            self._spawn_migrate(flow, "lost_chunk", f"stream message {flow.expected_seq} from replica "
+                                                   f"{chunk.replica_id} was lost")
+            return None
+        if chunk.error is not None and chunk.error.code == ErrorCode.UNAVAILABLE and chunk.replica_id is not None:
+            self._spawn_migrate(flow, "replica_left", chunk.error.message)  # the replica drained away from it
+            return None
+        flow.expected_seq += 1
+        flow.replica = chunk.replica_id or flow.replica
+        flow.token_ids += chunk.token_ids
+        flow.text_chars += len(chunk.text)
+        return chunk
+
+    # ---- replicas ---------------------------------------------------------------------------
+    async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
+        self.last_seen[hb.replica_id] = time.monotonic()
+
+    async def on_routed(self, msg) -> None:
+        flow = self.flows.get(msg.subject.rsplit(".", 2)[1])
+        try:
+            ack = protocol.decode(GenerateAck, msg.data)
+        except protocol.ProtocolError as exc:
+            log.warning("malformed routing acknowledgement", error=str(exc))
+            return
+        if flow is None or ack.request_id != flow.leg_id or not ack.accepted:
+            return
+        flow.replica = ack.replica_id
+        self.last_seen.setdefault(ack.replica_id, time.monotonic())
+        self.gw._held_by.pop(flow.gen.request_id, None)  # an engine has it: its scheduler no longer matters
+
+    async def _watch_replicas(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            now = time.monotonic()
+            if not self.gw.bus.nc.is_connected:
+                self._blind_until = now + REPLICA_DEAD_AFTER
+            if now < self._blind_until:
+                continue
+            for flow in list(self.flows.values()):
+                replica = flow.replica
+                if replica is None or flow.migrating:
+                    continue
+                seen = self.last_seen.setdefault(replica, now)  # not heard yet: from now on
+                if now - seen > REPLICA_DEAD_AFTER:
+                    self._spawn_migrate(flow, "replica_silent",
+                                        f"replica {replica} sent no heartbeat for {now - seen:.1f}s")
+            for replica, seen in list(self.last_seen.items()):
+                if now - seen > 300:  # long gone: forget it
+                    del self.last_seen[replica]
+
+    # ---- the next leg -----------------------------------------------------------------------
+    def _spawn_migrate(self, flow: Flow, reason: str, detail: str) -> None:
+        lost_leg, flow.leg_id = flow.leg_id, ""  # nothing more of it is delivered
+        flow.migrating = True
+        task = asyncio.create_task(self._migrate(flow, lost_leg, reason, detail))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _migrate(self, flow: Flow, lost_leg: str, reason: str, detail: str) -> None:
+        gen, rid = flow.gen, flow.gen.request_id
+        try:
+            await self.gw.bus.publish(protocol.CANCEL, Cancel(request_id=lost_leg, tenant=gen.tenant))
+            remaining = gen.sampling.max_tokens - len(flow.token_ids)
+            if flow.migrations >= MAX_MIGRATIONS:
+                return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; the stream already moved "
+                                  f"{flow.migrations} times, the most it may")
+            if remaining < 1 or (gen.deadline is not None and gen.deadline <= time.time()):
+                return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; nothing is left to continue")
+            flow.migrations += 1
+            leg = dataclasses.replace(
+                gen, request_id=f"{rid}-m{flow.migrations}", prompt_token_ids=gen.prompt_token_ids + flow.token_ids,
+                sampling=dataclasses.replace(gen.sampling, max_tokens=remaining), timestamps=dict(gen.timestamps),
+                resume=Resume(request_id=rid, generated=len(flow.token_ids), text_chars=flow.text_chars,
+                              replica_id=flow.replica, attempt=flow.migrations))
+            log.warning("stream migrating", request_id=rid, leg=leg.request_id, replica_id=flow.replica,
+                        delivered_tokens=len(flow.token_ids), reason=detail)
+            flow.leg_id, flow.replica, flow.expected_seq = leg.request_id, None, 0
+            try:
+                self.gw._held_by[rid] = await self.gw._submit(leg)
+            except ApiError as exc:
+                return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; no replica could take the rest "
+                                  f"of the stream: {exc.message}")
+            self.migrations.labels("migrated", reason).inc()
+        except Exception as exc:  # NATS away, ...: the client still gets a final message
+            log.exception("migration failed", request_id=rid)
+            self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; migration failed: {exc.__class__.__name__}")
+        finally:
+            flow.migrating = False
+
+    def _fail(self, flow: Flow, reason: str, code: str, message: str) -> None:
+        flow.leg_id = ""  # whatever still comes from the bus: this error is the end
+        self.migrations.labels("failed", reason).inc()
+        log.warning("stream lost", request_id=flow.gen.request_id, reason=message)
+        flow.queue.put_nowait(TokenChunk(request_id=flow.gen.request_id, seq=-1, finish_reason="error",
+                                         error=ErrorInfo(code=code, message=message)))
