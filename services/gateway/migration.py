@@ -39,6 +39,9 @@ log = get_logger()
 
 MAX_MIGRATIONS = 2
 REPLICA_DEAD_AFTER = 3.0  # seconds without a heartbeat (three missed beats) before a replica is presumed dead
+# After a NATS outage, a stream that gets no chunk for this long has lost its tail (its replica
+# may have finished it while nobody could hear): it resumes from what was delivered.
+STALLED_AFTER_RECONNECT = 2.0
 WATCH_INTERVAL = 0.25
 
 
@@ -63,6 +66,9 @@ class Migrator:
         self.flows: dict[str, Flow] = {}
         self.last_seen: dict[str, float] = {}  # replica id -> monotonic time of its last heartbeat
         self._blind_until = 0.0  # after a NATS outage, silence says nothing about the replicas
+        self._reconnects = 0
+        self._suspects: dict[str, tuple[str, int]] = {}  # request id -> (leg, seq) when the bus came back
+        self._suspects_due = 0.0
         self._tasks: set[asyncio.Task] = set()
         self._watch: asyncio.Task | None = None
         self.migrations = Counter("strata:gateway_migrations",
@@ -140,6 +146,7 @@ class Migrator:
             now = time.monotonic()
             if not self.gw.bus.nc.is_connected:
                 self._blind_until = now + REPLICA_DEAD_AFTER
+            self._check_stalled(now)
             if now < self._blind_until:
                 continue
             for flow in list(self.flows.values()):
@@ -153,6 +160,23 @@ class Migrator:
             for replica, seen in list(self.last_seen.items()):
                 if now - seen > 300:  # long gone: forget it
                     del self.last_seen[replica]
+
+    def _check_stalled(self, now: float) -> None:
+        """Chunks published while the bus was away are lost for good: a stream that was on a
+        replica when it came back and has had no chunk since resumes elsewhere."""
+        reconnects = self.gw.bus.nc.stats["reconnects"]
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self._suspects = {rid: (f.leg_id, f.expected_seq) for rid, f in self.flows.items() if f.replica}
+            self._suspects_due = now + STALLED_AFTER_RECONNECT
+            return
+        if not self._suspects or now < self._suspects_due:
+            return
+        for rid, progress in self._suspects.items():
+            flow = self.flows.get(rid)
+            if flow is not None and not flow.migrating and (flow.leg_id, flow.expected_seq) == progress:
+                self._spawn_migrate(flow, "bus_outage", "no stream message since the bus reconnected")
+        self._suspects = {}
 
     # ---- the next leg -----------------------------------------------------------------------
     def _spawn_migrate(self, flow: Flow, reason: str, detail: str) -> None:

@@ -94,6 +94,15 @@ class PrefixIndex:
         await self._replace(keys=[keys.replica_blocks_seq(model, replica_id), keys.replica_blocks(model, replica_id)],
                             args=[replica_id, "", _prefix(model), 0])
 
+    async def unindexed(self, model: str, replica_ids: list[str]) -> list[str]:
+        """Replicas with no index state at all (the store was emptied, or they are new): they
+        need a resync from their snapshot, even if no KV event of theirs reveals a gap."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for replica_id in replica_ids:
+                pipe.exists(keys.replica_blocks_seq(model, replica_id))
+            found = await pipe.execute()
+        return [r for r, exists in zip(replica_ids, found) if not exists]
+
     async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = 5.0) -> bool:
         return bool(await self.redis.set(keys.resync_lock(model, replica_id), b"1", nx=True, px=int(ttl_s * 1000)))
 

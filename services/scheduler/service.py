@@ -236,6 +236,8 @@ class SchedulerService:
         for model in models:
             live, dead = await registry.sweep(self.redis, model)
             self.view.sync_registry(model, live)
+            for replica_id in await self.index.unindexed(model, list(live)):
+                self._spawn(self.resync(model, replica_id))
             for replica_id in dead:
                 await self.index.remove_replica(model, replica_id)
             if deep:  # index entries of replicas gone before anyone swept them: a keyspace scan

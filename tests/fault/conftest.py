@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shared.localstack import LocalStack, free_port
+from shared.localstack import LocalStack, _healthy, free_port
 
 # Engines small and slowed down a little, so that streams are mid-flight when a fault strikes.
 ENGINE_ARGS = ["--threads", "1", "--num-kv-blocks", "512", "--lease-ttl", "3", "--debug-step-delay", "0.03"]
@@ -81,8 +81,9 @@ async def metric(base_url: str, name: str, **labels) -> float:
     return total
 
 
-def start_gateway(stack: LocalStack, name: str) -> tuple[subprocess.Popen, str]:
-    """One more gateway replica of the stack, on its own port (LocalStack starts one)."""
+def start_gateway(stack: LocalStack, name: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """One more gateway replica of the stack, on its own port (LocalStack starts one); returns
+    once it answers."""
     port = free_port()
     with open(stack.log_dir / f"{name}.log", "ab") as log_file:
         proc = subprocess.Popen(
@@ -91,18 +92,68 @@ def start_gateway(stack: LocalStack, name: str) -> tuple[subprocess.Popen, str]:
              "--redis-url", stack.infra.redis_url, "--log-format", "json"],
             stdout=log_file, stderr=subprocess.STDOUT)
     stack.services[name] = proc
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
+    while not _healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start (logs in {stack.log_dir})")
+        time.sleep(0.2)
+    return proc, url
+
+
+@dataclass
+class Record:
+    gateway: str
+    started: float  # monotonic
+    ended: float
+    outcome: Outcome
+
+
+class Load:
+    """`concurrency` clients that keep streaming completions through the given gateways (round
+    robin) until stopped; every request's outcome is kept. A request that outlives its deadline
+    by more than `grace` seconds is recorded as hung (status -1); a refused connection (a dead
+    gateway) as status 0."""
+
+    def __init__(self, gateways: list[str], api_key: str, concurrency: int = 8, max_tokens: int = 24,
+                 timeout: float = 30.0, grace: float = 15.0):
+        self.gateways, self.api_key, self.concurrency = gateways, api_key, concurrency
+        self.max_tokens, self.timeout, self.grace = max_tokens, timeout, grace
+        self.records: list[Record] = []
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Load:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.concurrency)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stopping.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), self.timeout + self.grace + 10)
+        await self._http.close()
+
+    async def _client(self, i: int) -> None:
+        n = 0
+        while not self._stopping.is_set():
+            gateway = self.gateways[(i + n) % len(self.gateways)]
+            body = {"model": "tiny-llama", "prompt": f"Client {i} asks question {n}: why is the sky",
+                    "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}
+            n += 1
+            started = time.monotonic()
             try:
-                async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
+                outcome = await asyncio.wait_for(
+                    stream_completion(self._http, gateway, self.api_key, body, timeout=self.timeout),
+                    self.timeout + self.grace)
+            except asyncio.TimeoutError:
+                outcome = Outcome(-1, error={"message": "hung past its deadline"})
+            except aiohttp.ClientError as exc:
+                outcome = Outcome(0, error={"message": f"{exc.__class__.__name__}: {exc}"})
+                await asyncio.sleep(0.2)
+            self.records.append(Record(gateway, started, time.monotonic(), outcome))
+
+    def summary(self) -> str:
+        ok = sum(r.outcome.ok for r in self.records)
+        hung = sum(r.outcome.status == -1 for r in self.records)
+        return f"{len(self.records)} requests: {ok} completed, {len(self.records) - ok - hung} errors, {hung} hung"
