@@ -36,9 +36,22 @@ GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 
 def _token(name: str) -> str:
     """A subject token must not contain separators or wildcards."""
-    if not name or any(c in name for c in ".*> \t\r\n"):
+    if not _is_token(name):
         raise ValueError(f"invalid subject token {name!r}")
     return name
+
+
+def _is_token(name: str) -> bool:
+    return bool(name) and not any(c in name for c in ".*> \t\r\n")
+
+
+def _check_tokens(message: Message, *names: str) -> None:
+    """Ids that name subjects (replica, model): a message carrying a bad one is malformed, not a
+    ValueError later in whoever builds a subject from it."""
+    for name in names:
+        if not _is_token(getattr(message, name)):
+            raise ProtocolError(f"{type(message).__name__}: {name} {getattr(message, name)!r} is not a valid "
+                                f"subject token")
 
 
 def served_model_name(model_dir: str) -> str:
@@ -436,6 +449,9 @@ class Heartbeat(Message):
     requests_finished: int = 0  # cumulative, by outcome: rates and error ratios per revision
     requests_failed: int = 0
 
+    def validate(self) -> None:
+        _check_tokens(self, "replica_id", "model")
+
 
 @dataclass
 class KvBlockStored(Message):
@@ -454,6 +470,9 @@ class KvEventBatch(Message):
     removed: list[int] = field(default_factory=list)
     cleared: bool = False  # the engine dropped its whole cache before these events
     epoch: str = ""  # changes when the engine restarts (its seq starts again at 1)
+
+    def validate(self) -> None:
+        _check_tokens(self, "replica_id", "model")
 
 
 @dataclass

@@ -96,7 +96,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         max_tokens = max_tokens_default
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
-        raise bad(f"'{param}' must be an integer >= 1", param)
+        raise bad(f"'{param}' must be an integer in [1, 2**31)", param)
     top_k = _number(body, "top_k", -1, -1, 2**31 - 1, integer=True)
     if top_k == 0:
         raise bad("'top_k' must be -1 (off) or >= 1", "top_k")

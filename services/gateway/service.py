@@ -531,6 +531,28 @@ class GatewayService:
 
 async def read_json(request: web.Request):
     try:
-        return await request.json(loads=json.loads)
+        body = await request.json(loads=json.loads)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise oa.bad("the request body is not valid JSON") from None
+    if not _encodable(body):  # "\ud800" is valid JSON but no UTF-8 text: the tokenizer and msgpack refuse it
+        raise oa.bad("the request body contains a lone surrogate (\\ud800-\\udfff): not valid Unicode text")
+    return body
+
+
+def _encodable(value) -> bool:
+    """Whether every string in a parsed JSON value (keys too) is encodable as UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
