@@ -56,6 +56,7 @@ class Flow:
     text_chars: int = 0  # completion text delivered so far
     migrations: int = 0
     migrating: bool = False
+    closed: bool = False  # the request ended (the client left): a leg submitted now must be cancelled
 
 
 class Migrator:
@@ -99,9 +100,13 @@ class Migrator:
         return flow.leg_id if flow is not None else request_id
 
     def forget(self, request_id: str) -> str:
-        """The request ended; returns the id of its last leg (the one to cancel if it runs on)."""
+        """The request ended; returns the id of its last leg (the one to cancel if it runs on), or
+        "" while it is between legs (the lost one is cancelled, the next is cancelled on arrival)."""
         flow = self.flows.pop(request_id, None)
-        return flow.leg_id if flow is not None else request_id
+        if flow is None:
+            return request_id
+        flow.closed = True
+        return flow.leg_id
 
     def accept(self, flow: Flow, chunk: TokenChunk) -> TokenChunk | None:
         """The chunk to deliver to the client, or None: it belongs to an earlier leg, repeats one
@@ -119,6 +124,7 @@ class Migrator:
             return None
         flow.expected_seq += 1
         flow.replica = chunk.replica_id or flow.replica
+        self.gw._held_by.pop(flow.gen.request_id, None)  # an engine has it (its routing notice may be lost)
         flow.token_ids += chunk.token_ids
         flow.text_chars += len(chunk.text)
         return chunk
@@ -206,11 +212,15 @@ class Migrator:
                         delivered_tokens=len(flow.token_ids), reason=detail)
             flow.leg_id, flow.replica, flow.expected_seq = leg.request_id, None, 0
             try:
-                self.gw._held_by[rid] = await self.gw._submit(leg)
+                scheduler = await self.gw._submit(leg)
             except ApiError as exc:
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; no replica could take the rest "
                                   f"of the stream: {exc.message}")
             self.migrations.labels("migrated", reason).inc()
+            if flow.closed:  # the client left meanwhile
+                await self.gw.bus.publish(protocol.CANCEL, Cancel(request_id=leg.request_id, tenant=gen.tenant))
+            else:
+                self.gw._held_by[rid] = scheduler
         except Exception as exc:  # NATS away, ...: the client still gets a final message
             log.exception("migration failed", request_id=rid)
             self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; migration failed: {exc.__class__.__name__}")

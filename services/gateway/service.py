@@ -439,6 +439,8 @@ class GatewayService:
         return ack.replica_id
 
     async def _cancel(self, gen: GenerateRequest, leg_id: str) -> None:
+        if not leg_id:  # between two legs of a migrating stream: the migration cancels them
+            return
         try:
             await self.bus.publish(protocol.CANCEL, Cancel(request_id=leg_id, tenant=gen.tenant))
         except Exception as exc:
