@@ -91,7 +91,7 @@ class LLMEngine:
                 torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
         if seq.params.stop or self.streaming:
             seq.detokenizer.append(seq.token_ids)
-            seq.detokenizer.sent_offset = min(text_chars, len(seq.detokenizer.output_text))
+            seq.detokenizer.sent_offset = text_chars  # may exceed output_text while a character is incomplete
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""

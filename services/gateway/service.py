@@ -4,7 +4,8 @@ A request is authenticated and rate limited (Redis, shared by all gateway replic
 (chat template included), and published to the schedulers; its token stream arrives on this
 gateway's inbox straight from the engine. Errors before the first byte carry their HTTP status;
 after it, an in-band `data: {"error": ...}` event ends the stream. A client that goes away
-cancels its request down to the engine.
+cancels its request down to the engine. A stream whose engine replica dies continues on another
+one from the tokens already sent (services.gateway.migration).
 """
 
 from __future__ import annotations

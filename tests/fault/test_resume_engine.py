@@ -28,7 +28,7 @@ def run(engine, rid, ids, params, resumed=(0, 0)):
     raise AssertionError("the request never finished")
 
 
-@pytest.mark.parametrize("cut", [0, 1, 17, 39])
+@pytest.mark.parametrize("cut", [0, 1, 17, 20, 39])  # greedy: token 20 ends inside a character
 @pytest.mark.parametrize("sampling", [
     dict(temperature=0.0),
     dict(temperature=0.9, seed=1234, top_p=0.95),
