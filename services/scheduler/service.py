@@ -52,6 +52,14 @@ class SchedulerConfig:
     seed: int | None = None
 
 
+def away_from_the_lost_replica(req: GenerateRequest, candidates: list) -> list:
+    """A resumed request (protocol.Resume) does not go back to the replica its stream left, which
+    is presumed dead, unless no other is there (then it may be alive after all)."""
+    left = req.resume.replica_id if req.resume is not None else None
+    others = [r for r in candidates if r.replica_id != left]
+    return others or candidates
+
+
 class SchedulerMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -270,8 +278,6 @@ class SchedulerService:
         if req.deadline is not None and req.deadline <= time.time():
             await self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was routed")
             return
-        if req.resume is not None and req.resume.replica_id:  # the replica the stream left is presumed dead
-            self.view.avoid(req.resume.replica_id)
         candidates = self.view.candidates(req.model)
         queue = self.queues.get(req.model)
         if candidates and not (queue and len(queue)) and not all(r.saturated for r in candidates):
@@ -348,7 +354,8 @@ class SchedulerService:
             if req.request_id in self._cancelled:
                 await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
                 return
-            candidates = [r for r in self.view.candidates(req.model) if r.replica_id not in tried]
+            candidates = away_from_the_lost_replica(req, [r for r in self.view.candidates(req.model)
+                                                          if r.replica_id not in tried])
             if not candidates:
                 break
             candidates, revision = self.revision_candidates(req.model, candidates, draw)
