@@ -15,8 +15,10 @@ import aiohttp
 
 from shared.localstack import LocalStack, _healthy, free_port
 
-# Engines small and slowed down a little, so that streams are mid-flight when a fault strikes.
-ENGINE_ARGS = ["--threads", "1", "--num-kv-blocks", "512", "--lease-ttl", "3", "--debug-step-delay", "0.03"]
+# Engines small and slowed down a little, so that streams are mid-flight when a fault strikes;
+# a short drain, so that SIGTERM aborts what is still running soon (and teardown is quick).
+ENGINE_ARGS = ["--threads", "1", "--num-kv-blocks", "512", "--lease-ttl", "3", "--debug-step-delay", "0.03",
+               "--drain-timeout", "1"]
 
 
 def make_stack(model_dir, log_dir, engines: int = 2, schedulers: int = 1, **kwargs) -> LocalStack:

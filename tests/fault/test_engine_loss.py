@@ -2,7 +2,8 @@
 replica from the tokens already delivered (mid-stream migration in the gateway), so greedy
 output is exactly that of a fault-free run; requests it held without a token yet complete too.
 Frozen replicas (SIGSTOP) move a stream back and forth up to the migration limit, after which
-the stream ends with a clear in-band error; nothing outlives its deadline."""
+the stream ends with a clear in-band error; nothing outlives its deadline. A replica that drains
+(SIGTERM) past its drain timeout hands its streams on the same way."""
 
 import asyncio
 import signal
@@ -172,3 +173,30 @@ async def test_a_stream_moves_up_to_the_migration_limit_then_ends_with_an_in_ban
     assert out.error["code"] == "unavailable" and f"moved {MAX_MIGRATIONS} times" in out.error["message"]
     assert out.events > 1 and len(out.text) > 0  # it was mid-stream: the error came in band
     assert time.monotonic() - start < 90  # well within its deadline
+
+
+@pytest.mark.slow
+async def test_a_stream_outliving_its_replicas_drain_continues_elsewhere(stack):
+    for name in ("engine-0", "engine-1"):  # SIGCONT'ed by the previous test: both serve
+        assert stack.services[name].poll() is None
+    prompt = "The drain test begins"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        reference = await stream_completion(http, stack.base_url, stack.api_key, body(prompt, 300))
+        left_before = await metric(stack.base_url, "strata:gateway_migrations_total", outcome="migrated",
+                                   reason="replica_left")
+        events = [0]
+        stream = asyncio.create_task(stream_completion(http, stack.base_url, stack.api_key, body(prompt, 300),
+                                                       on_event=lambda out: events.__setitem__(0, out.events)))
+        while events[0] < 10:
+            assert not stream.done(), stream.result()
+            await asyncio.sleep(0.02)
+        running = {r: await engine_running(stack, r) for r in ("engine-0", "engine-1")}
+        draining = max(running, key=running.get)
+        stack.services[draining].send_signal(signal.SIGTERM)  # drains for 1 s, then aborts what runs
+        out = await asyncio.wait_for(stream, 120)
+    left = await metric(stack.base_url, "strata:gateway_migrations_total", outcome="migrated", reason="replica_left")
+    assert stack.services[draining].wait(30) == 0
+    assert reference.ok and out.ok, out
+    assert out.text == reference.text, first_difference(reference.text, out.text)
+    assert out.usage["completion_tokens"] == 300 and out.strata["replica_id"] != draining
+    assert left - left_before == 1
