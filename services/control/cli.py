@@ -54,7 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  nats:     {stack.infra.nats_url}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
-              f"`strata status {name}` shows the fleet. Ctrl-C stops everything.", flush=True)
+              f"  status:   strata status {name}\n"
+              f"Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
     return 0
