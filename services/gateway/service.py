@@ -23,11 +23,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.gateway import openai_api as oa
+from services.gateway import tracing
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.openai_api import ApiError, ParsedRequest
 from services.gateway.openapi import openapi_spec
 from shared import protocol
 from shared.bus import Bus
+from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, SchedulerStats,
                              TokenChunk)
@@ -82,6 +84,11 @@ class GatewayMetrics:
         self.e2e = Histogram("strata:gateway_e2e_request_latency_seconds", "HTTP arrival to the final token.",
                              ["model_name"], registry=r)
         self.active = Gauge("strata:gateway_active_requests", "Requests being served.", registry=r)
+        self.layers = Histogram("strata:request_layer_seconds",
+                                "Time of each request in each layer (shared.layers); component is the design's "
+                                "layer owning it.", ["model_name", "layer", "component"],
+                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                         5.0, 10.0, 30.0, 60.0), registry=r)
         self.cancels = Counter("strata:gateway_cancelled_requests",
                                "Requests the gateway cancelled downstream (client left, or the stream broke).",
                                registry=r)
@@ -135,7 +142,8 @@ class GatewayService:
         await self.redis.aclose()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_middleware], client_max_size=4 * 1024 * 1024)
+        app = web.Application(middlewares=[tracing.trace_requests, self._errors_middleware],
+                              client_max_size=4 * 1024 * 1024)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
@@ -151,9 +159,13 @@ class GatewayService:
         if queue is None:
             return  # a late chunk of a request already ended
         try:
-            queue.put_nowait(protocol.decode(TokenChunk, msg.data))
+            chunk = protocol.decode(TokenChunk, msg.data)
         except protocol.ProtocolError as exc:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
+            return
+        if chunk.is_final and chunk.timestamps is not None:
+            chunk.timestamps["gateway_final_received"] = time.time()
+        queue.put_nowait(chunk)
 
     def _spawn_cancel(self, rid: str) -> None:
         task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=rid,
@@ -285,7 +297,7 @@ class GatewayService:
 
     async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
                      ids: list[int]) -> web.StreamResponse:
-        arrival = time.time()
+        arrival = tracing.received_at()
         if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
             raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                          f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
@@ -310,6 +322,7 @@ class GatewayService:
                               prompt_token_ids=ids, sampling=parsed.sampling, deadline=arrival + timeout,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival})
+        tracing.annotate_request(gen, parsed.stream)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue
         self._tenants[rid] = key.tenant
@@ -321,7 +334,7 @@ class GatewayService:
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
-            published = time.time()
+            published = gen.timestamps["gateway_published"] = time.time()
             self._held_by[rid] = await self._submit(gen)
             first = await queue.get()
             first_at = time.time()
@@ -416,11 +429,23 @@ class GatewayService:
         else:
             body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                       oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
-        extension = oa.strata_extension(final, published, first_at, time.time())
+        extension = self._finished(body["id"], model, gen, final, first_at)
         body["strata"] = extension
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return web.json_response(body, headers={"x-request-id": gen.request_id,
                                                 "x-strata-timings": json.dumps(extension["timings"])})
+
+    def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
+                  first_at: float) -> dict:
+        """The strata extension of a finished request; its layer timings also go to the layer
+        histogram, the request's span and its log line."""
+        extension = oa.strata_extension(final, time.time())
+        timings = extension["timings"]
+        for name in LAYER_NAMES:
+            self.metrics.layers.labels(model.name, name, COMPONENT[name]).observe(timings[name])
+        tracing.annotate_response(response_id, model.name, final, first_at - gen.timestamps["gateway_received"],
+                                  timings)
+        return extension
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
                       first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float, float]) -> web.StreamResponse:
@@ -445,7 +470,7 @@ class GatewayService:
                 return response
             extension = {}
             if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
-                extension = {"strata": oa.strata_extension(chunk, published, first_at, time.time())}
+                extension = {"strata": self._finished(rid, model, gen, chunk, first_at)}
             on_last = {} if parsed.include_usage else extension
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)

@@ -22,6 +22,7 @@ from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.replicas import ReplicaView
+from services.scheduler.tracing import RoutingSpans
 from shared import keys, protocol, registry
 from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
@@ -59,6 +60,10 @@ class SchedulerMetrics:
         self.matched = Histogram("strata:scheduler_matched_prefix_fraction",
                                  "Fraction of the prompt's blocks cached on the chosen replica.", ["model_name"],
                                  buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.reachable = Histogram("strata:scheduler_reachable_prefix_fraction",
+                                   "Fraction of the prompt's blocks cached on the replica holding the most of it "
+                                   "(what routing could reach; sampled under policies that do not look).",
+                                   ["model_name"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
         self.retries = Counter("strata:scheduler_retries", "Requests re-sent to another replica.", registry=r)
         self.routing_time = Histogram("strata:scheduler_routing_seconds", "Receipt to engine acknowledgement.",
                                       registry=r)
@@ -92,6 +97,8 @@ class SchedulerService:
         self._dispatched: dict[str, int] = {}  # model -> dispatched from its queue this second
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
         self._routing: dict[str, str | None] = {}  # request id -> tenant, while waiting for an engine
+        self.spans = RoutingSpans()
+        self._lookups = 0  # requests routed under policies that ignore the prefix index
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -236,6 +243,7 @@ class SchedulerService:
     async def on_generate(self, req: GenerateRequest, raw) -> None:
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         req.timestamps["scheduler_received"] = time.time()
+        self.spans.begin(req)
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
         if not self.view.replicas.get(req.model):
@@ -291,6 +299,7 @@ class SchedulerService:
                     break
                 item = queue.pop()
                 item.payload.timestamps["scheduler_dequeued"] = time.time()
+                self.spans.dequeued(item.payload)
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
                 self._dispatched[model] = self._dispatched.get(model, 0) + 1
                 await self.route(item.payload)
@@ -306,6 +315,7 @@ class SchedulerService:
             log.exception("routing failed")
             await self._fail(req, ErrorCode.INTERNAL, f"routing failed: {exc.__class__.__name__}")
         finally:
+            self.spans.end(req.request_id)
             self._routing.pop(req.request_id, None)
             if self._cancelled.pop(req.request_id, None) is not None:  # cancelled while in transit
                 await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant))
@@ -314,7 +324,7 @@ class SchedulerService:
         received = req.timestamps.get("scheduler_received", time.time())
         policy = self.policy_for(req.model)
         tried: set[str] = set()
-        for _ in range(self.cfg.max_attempts):
+        for attempt in range(1, self.cfg.max_attempts + 1):
             if req.request_id in self._cancelled:
                 await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
                 return
@@ -324,13 +334,15 @@ class SchedulerService:
             block_size = candidates[0].block_size
             hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
             overlaps = {}
-            if policy == "kv_aware" and hashes and len(candidates) > 1:  # one candidate: nothing to weigh
+            if hashes and len(candidates) > 1 and (policy == "kv_aware" or self._sample_lookup()):
                 try:
                     holders = await self.index.holders(req.model, hashes)
                     overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
                 except Exception as exc:  # Redis away: route on load alone
                     log.warning("prefix index unavailable", error=str(exc))
-            decision = self.router.rank(policy, candidates, len(hashes), overlaps)[0]
+            ranked = self.router.rank(policy, candidates, len(hashes), overlaps)
+            decision = ranked[0]
+            self.spans.decided(req, ranked, attempt)
             choice = decision.replica
             tried.add(choice.replica_id)
             choice.inflight += 1
@@ -340,8 +352,12 @@ class SchedulerService:
             if ack is not None and ack.accepted:
                 choice.acknowledged(ack.accepted_seq)
                 self.metrics.decisions.labels(req.model, policy, "routed").inc()
-                if hashes:
+                if overlaps:  # what was looked up: the chosen replica's share against the best one's
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
+                    self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
+                log.info("routed", request_id=req.request_id, replica_id=choice.replica_id, policy=policy,
+                         attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
+                         queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
                 return
             if ack is None:
@@ -360,13 +376,21 @@ class SchedulerService:
 
     async def _forward(self, req: GenerateRequest, replica_id: str) -> GenerateAck | None:
         try:
-            reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
+            with self.spans.active(req.request_id):  # the engine's spans join this request's trace here
+                reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
             return protocol.decode(GenerateAck, reply.data)
         except Exception as exc:  # timeout, no responders, garbage: treat as a refusal
             log.warning("forward failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
             return None
 
+    def _sample_lookup(self) -> bool:
+        """Policies that ignore the prefix index still look one request in 4 up, so the
+        reachable prefix fraction (what kv_aware would find) is known under every policy."""
+        self._lookups += 1
+        return self._lookups % 4 == 0
+
     async def _fail(self, req: GenerateRequest, code: str, message: str) -> None:
+        self.spans.end(req.request_id, code, message)
         await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                         error=ErrorInfo(code=code, message=message)))
 
@@ -383,6 +407,7 @@ class SchedulerService:
             if item.tenant and msg.tenant != item.tenant:
                 return
             queue.remove(msg.request_id)
+            self.spans.end(msg.request_id, ErrorCode.CANCELLED)
             await self.bus.publish(item.payload.reply_to, TokenChunk(request_id=msg.request_id, seq=0,
                                                                      finish_reason="abort"))
             return
