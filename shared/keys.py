@@ -48,4 +48,14 @@ def deployment(name: str) -> str:
     return f"{PREFIX}:deployment:{name}"
 
 
+def service(kind: str, instance: str) -> str:
+    """Hash: a gateway's or scheduler's registry entry (http_url, ...), with a TTL lease."""
+    return f"{PREFIX}:service:{kind}:{instance}"
+
+
+def services(kind: str) -> str:
+    """Set: instances of one kind of service that registered (entries may be stale)."""
+    return f"{PREFIX}:services:{kind}"
+
+
 MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 from opentelemetry import context as otel_context
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from services.engine.block_manager import KvEvents
@@ -33,6 +32,7 @@ from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared import protocol, registry, telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
                              KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, TokenChunk,
                              TokenLogprob, Usage)
@@ -72,6 +72,7 @@ class EngineWorker:
         self.bus: Bus | None = None
         self.redis = None
         self.metrics = EngineMetrics(cfg.deployment, cfg.replica_id)
+        self.history = MetricsHistory(self.metrics.registry)
         self.http_url = ""
         self._tenants: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -107,6 +108,7 @@ class EngineWorker:
         await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
         self._spawn(self._publish_kv_events())
         self._spawn(self._publish_outbox())
+        self._spawn(self.history.run())
         self.state = "ready"
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
@@ -356,10 +358,9 @@ class EngineWorker:
                 log.warning("heartbeat failed", error=str(exc))
 
     # ---- http -------------------------------------------------------------------------------
-    async def _http_metrics(self, _request: web.Request) -> web.Response:
+    async def _http_metrics(self, request: web.Request) -> web.Response:
         self.metrics.update_engine(self.engine.engine.stats())
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return metrics_response(request, self.metrics.registry, self.history)
 
     async def _http_health(self, _request: web.Request) -> web.Response:
         body = {"state": self.state, "replica_id": self.cfg.replica_id, "deployment": self.cfg.deployment}

@@ -20,17 +20,18 @@ import structlog
 from aiohttp import web
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
 from services.gateway import tracing
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.openai_api import ApiError, ParsedRequest
 from services.gateway.openapi import openapi_spec
-from shared import protocol
+from shared import protocol, registry
 from shared.bus import Bus
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, SchedulerStats,
                              TokenChunk)
 from shared.store import connect_redis
@@ -99,6 +100,7 @@ class GatewayService:
         self.cfg = cfg
         self.models: dict[str, ServedModel] = {}
         self.metrics = GatewayMetrics()
+        self.history = MetricsHistory(self.metrics.registry)
         self.bus: Bus | None = None
         self.redis = None
         self.keys: KeyStore | None = None
@@ -132,10 +134,14 @@ class GatewayService:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.cfg.host}:{port}"
+        self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url, "models": ",".join(self.models)}))]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
         self._watchdog.cancel()
+        for task in self._observers:
+            task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -236,8 +242,8 @@ class GatewayService:
         return web.json_response({"status": "ok" if connected else "degraded", "models": list(self.models)},
                                  status=200 if connected else 503)
 
-    async def prometheus(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return metrics_response(request, self.metrics.registry, self.history)
 
     async def openapi(self, request: web.Request) -> web.Response:
         await self._authenticate(request)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
@@ -27,6 +27,7 @@ from shared import keys, protocol, registry
 from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat, KvEventBatch,
                              KvSnapshot, KvSnapshotRequest, SchedulerStats, TokenChunk)
 from shared.store import connect_redis
@@ -84,6 +85,7 @@ class SchedulerService:
         self.view = ReplicaView(stale_after=cfg.lease_ttl)
         self.router = Router(cfg.load_weight, cfg.seed)
         self.metrics = SchedulerMetrics()
+        self.history = MetricsHistory(self.metrics.registry)
         self.queues: dict[str, AdmissionQueue] = {}
         self.bus: Bus | None = None
         self.redis = None
@@ -119,11 +121,14 @@ class SchedulerService:
         self._spawn(self._dispatch_loop())
         self._spawn(self._stats_loop())
         await self._start_http()
+        self._spawn(self.history.run())
+        self._spawn(registry.keep_announced(self.redis, "scheduler", self.cfg.scheduler_id, {"http_url": self.http_url},
+                                            ttl=self.cfg.lease_ttl))
         log.info("scheduler ready", policy=self.cfg.policy, http=self.http_url)
 
     async def _start_http(self) -> None:
-        async def metrics(_request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        async def metrics(request: web.Request) -> web.Response:
+            return metrics_response(request, self.metrics.registry, self.history)
 
         async def health(_request: web.Request) -> web.Response:
             connected = self.bus.nc.is_connected
