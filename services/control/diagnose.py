@@ -140,10 +140,6 @@ def _itl(d: DeploymentFigures) -> tuple[float, float]:
     return (sum(r.itl_sum for r in d.replicas) / count if count else 0.0), count
 
 
-def _saturated(r: EngineFigures) -> bool:
-    return r.running >= r.max_num_seqs or r.waiting > 0
-
-
 def _step_summary(replicas: list[EngineFigures]) -> tuple[str, str, float]:
     """("step 105 ms: other 95%, forward 3%", top phase, its share) over these replicas."""
     phases: dict[str, float] = {}
@@ -179,10 +175,10 @@ def _admission(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     if share < t.admission_share:
         return None
     ready = _ready(d)
-    saturated = [r for r in ready if _saturated(r)]
     max_replicas = int(d.settings["max_replicas"]) if d.settings.get("max_replicas", "").isdigit() else None
     at_max = max_replicas is not None and len(ready) >= max_replicas
-    summary = (f"{share:.0%} of TTFT is admission wait; all {len(ready)} replicas saturated"
+    summary = (f"{share:.0%} of TTFT is admission wait; "
+               + ("its replica was saturated" if len(ready) == 1 else f"all {len(ready)} replicas were saturated")
                + (" and the deployment is at max replicas" if at_max else ""))
     evidence = [
         f"mean admission wait {_ms(d.layers.get('admission_wait', 0.0) / d.requests)} of a mean TTFT of "
@@ -190,7 +186,7 @@ def _admission(d: DeploymentFigures, t: Thresholds) -> Finding | None:
         f"{d.queued:.0f} requests waited in the admission queue (a request waits there only while every replica "
         f"is saturated); queue depth now {d.queue_depth:.0f}",
         "replicas now: " + ", ".join(f"{r.replica_id} running {r.running:.0f}/{r.max_num_seqs} waiting "
-                                     f"{r.waiting:.0f}" for r in ready) + f" ({len(saturated)} full)",
+                                     f"{r.waiting:.0f}" for r in ready),
     ]
     fix = (f"raise max_replicas (now {max_replicas})" if at_max else
            "add replicas (the scaler's signal is this queue: check that it runs and may scale up)")

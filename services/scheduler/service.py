@@ -63,7 +63,7 @@ class SchedulerMetrics:
                                  buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
         self.reachable = Histogram("strata:scheduler_reachable_prefix_fraction",
                                    "Fraction of the prompt's blocks cached on the replica holding the most of it "
-                                   "(what routing could reach; sampled under policies that do not look).",
+                                   "(what routing could reach, whatever the policy).",
                                    ["model_name"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
         self.retries = Counter("strata:scheduler_retries", "Requests re-sent to another replica.", registry=r)
         self.routing_time = Histogram("strata:scheduler_routing_seconds", "Receipt to engine acknowledgement.",
@@ -100,7 +100,6 @@ class SchedulerService:
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
         self._routing: dict[str, str | None] = {}  # request id -> tenant, while waiting for an engine
         self.spans = RoutingSpans()
-        self._lookups = 0  # requests routed under policies that ignore the prefix index
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -339,7 +338,9 @@ class SchedulerService:
             block_size = candidates[0].block_size
             hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
             overlaps = {}
-            if hashes and len(candidates) > 1 and (policy == "kv_aware" or self._sample_lookup()):
+            # Every policy looks the prompt up (one Redis round trip), so the reachable prefix
+            # fraction is known whichever routes: it is how diagnose tells a wrong policy.
+            if hashes and len(candidates) > 1:  # one candidate: nothing to weigh
                 try:
                     holders = await self.index.holders(req.model, hashes)
                     overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
@@ -387,12 +388,6 @@ class SchedulerService:
         except Exception as exc:  # timeout, no responders, garbage: treat as a refusal
             log.warning("forward failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
             return None
-
-    def _sample_lookup(self) -> bool:
-        """Policies that ignore the prefix index still look one request in 4 up, so the
-        reachable prefix fraction (what kv_aware would find) is known under every policy."""
-        self._lookups += 1
-        return self._lookups % 4 == 0
 
     async def _fail(self, req: GenerateRequest, code: str, message: str) -> None:
         self.spans.end(req.request_id, code, message)

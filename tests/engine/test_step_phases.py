@@ -1,5 +1,7 @@
 """The engine step broken down by phase: every phase is measured and together they are the step."""
 
+import statistics
+
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
 from services.engine.metrics import EngineMetrics
@@ -41,8 +43,10 @@ def test_time_outside_the_named_phases_shows_as_other(tiny_model_dir):
     steps = run_steps(engine)
     metrics = EngineMetrics("tiny", "r0")
     for step in steps:
-        assert delay <= step.other < delay + 0.05, step
+        assert step.other >= delay, step
         metrics.observe_step(step)
+    # ... and it is mostly the delay (the median: a step or two may lose the CPU on a busy machine).
+    assert statistics.median(s.other - delay for s in steps) < delay
     # The histograms on /metrics: per phase, and the wall time they add up to.
     sums = {p: metrics.registry.get_sample_value("strata:engine_step_seconds_sum",
                                                  {"model_name": "tiny", "replica": "r0", "phase": p})
