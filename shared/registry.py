@@ -77,10 +77,13 @@ async def keep_announced(redis: aioredis.Redis, kind: str, instance: str, fields
 
 
 async def services(redis: aioredis.Redis, kind: str) -> dict[str, dict[str, str]]:
-    """Live instances of one kind of service with their fields (read only)."""
+    """Live instances of one kind of service with their fields; prunes those whose lease is gone."""
     members = sorted(m.decode() for m in await redis.smembers(keys.services(kind)))
     async with redis.pipeline(transaction=False) as pipe:
         for m in members:
             pipe.hgetall(keys.service(kind, m))
         entries = await pipe.execute()
+    dead = [m for m, e in zip(members, entries) if not e]
+    if dead:
+        await redis.srem(keys.services(kind), *dead)
     return {m: {k.decode(): v.decode() for k, v in e.items()} for m, e in zip(members, entries) if e}

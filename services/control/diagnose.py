@@ -268,7 +268,7 @@ def _revisions(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     total = sum(s[0] for s in stats.values())
     worst = max(stats, key=lambda k: stats[k][1])
     best = min(stats, key=lambda k: stats[k][1])
-    (w_req, w_err, w_lat), (_, b_err, b_lat) = stats[worst], stats[best]
+    (w_req, w_err, _), (_, b_err, _) = stats[worst], stats[best]
     evidence = [f"revision {k}: {s[0]:.0f} requests, {s[1]:.1%} errors, mean {_ms(s[2])}" for k, s in stats.items()]
     if w_err >= t.error_rate_min and w_err >= t.error_ratio * b_err:
         errors = (f"{w_err / b_err:.0f}x the errors of revision {best}" if b_err > 0 else

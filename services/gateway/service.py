@@ -340,7 +340,7 @@ class GatewayService:
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
-            published = gen.timestamps["gateway_published"] = time.time()
+            gen.timestamps["gateway_published"] = time.time()
             self._held_by[rid] = await self._submit(gen)
             first = await queue.get()
             first_at = time.time()
@@ -349,7 +349,7 @@ class GatewayService:
                 finished = first.replica_id is not None  # from the engine itself: nothing runs on
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
-            times = (arrival, published, first_at)
+            times = (arrival, first_at)
             if parsed.stream:
                 response = await self._stream(request, parsed, model, gen, first, queue, times)
             else:
@@ -418,8 +418,8 @@ class GatewayService:
                     break
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
-                       queue: asyncio.Queue, times: tuple[float, float, float]) -> web.Response:
-        arrival, published, first_at = times
+                       queue: asyncio.Queue, times: tuple[float, float]) -> web.Response:
+        arrival, first_at = times
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
@@ -454,8 +454,8 @@ class GatewayService:
         return extension
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
-                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float, float]) -> web.StreamResponse:
-        arrival, published, first_at = times
+                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float]) -> web.StreamResponse:
+        arrival, first_at = times
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": gen.request_id})
         await response.prepare(request)

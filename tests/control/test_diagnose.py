@@ -12,12 +12,12 @@ def engine(replica_id: str, requests=50, concurrency=1.0, itl=0.02, hit=0.6, rev
            max_num_seqs=64, phases=None) -> EngineFigures:
     """One replica's window: `concurrency` requests in flight on average (Little's law)."""
     tokens = requests * 20
+    phases = phases or {"forward": 12.0, "sample": 2.0, "schedule": 1.0, "prepare": 1.0, "detokenize": 0.5,
+                        "bookkeeping": 0.5, "other": 1.0}
     return EngineFigures(replica_id, "chat", revision=revision, window_s=WINDOW, running=running,
                          max_num_seqs=max_num_seqs, kv_usage=0.3, requests=requests, errors=errors,
-                         busy_s=concurrency * WINDOW, itl_sum=itl * tokens, itl_count=tokens, prefix_queries=10_000, prefix_hits=hit * 10_000,
-                         steps=1000, step_phases=phases or {"forward": 12.0, "sample": 2.0, "schedule": 1.0,
-                                                            "prepare": 1.0, "detokenize": 0.5, "bookkeeping": 0.5,
-                                                            "other": 1.0})
+                         busy_s=concurrency * WINDOW, itl_sum=itl * tokens, itl_count=tokens, prefix_queries=10_000,
+                         prefix_hits=hit * 10_000, steps=1000, step_phases=phases)
 
 
 def deployment(replicas, requests=100, ttft=0.1, e2e=0.5, admission=0.0, engine_queue=0.0, policy="kv_aware",

@@ -66,7 +66,8 @@ def test_a_clients_trace_continues_through_strata(obs_stack, otlp):
     trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     client = openai.OpenAI(base_url=obs_stack.base_url + "/v1", api_key=obs_stack.api_key, max_retries=0)
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Continue my trace", max_tokens=3, extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        model=MODEL, prompt="Continue my trace", max_tokens=3,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
     spans = spans_of(otlp, raw.headers["x-request-id"], {"strata-gateway", "strata-scheduler", "strata-engine"})
     assert spans and {s.trace_id for s in spans} == {trace_id}
     gateway = next(s for s in spans if s.service == "strata-gateway")
