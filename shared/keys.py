@@ -44,7 +44,8 @@ def rate_counter(key_hash: str, kind: str, window: int) -> str:
 
 
 def deployment(name: str) -> str:
-    """Hash: a deployment's settings (e.g. routing_policy), read by the schedulers."""
+    """Hash: a deployment's live state: stable and canary revisions, canary weight, routing
+    policy, latest revision number, generation (see services.control.store)."""
     return f"{PREFIX}:deployment:{name}"
 
 
@@ -56,6 +57,19 @@ def service(kind: str, instance: str) -> str:
 def services(kind: str) -> str:
     """Set: instances of one kind of service that registered (entries may be stale)."""
     return f"{PREFIX}:services:{kind}"
+
+
+def deployment_revision(name: str, revision: int) -> str:
+    """String: one immutable revision's spec, as JSON."""
+    return f"{PREFIX}:deployment:{name}:revision:{revision}"
+
+
+def deployment_history(name: str) -> str:
+    """List: the deployment's change events, oldest first, as JSON."""
+    return f"{PREFIX}:deployment:{name}:history"
+
+
+DEPLOYMENTS = f"{PREFIX}:deployments"  # Set: names of deployments stored by control
 
 
 MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica

@@ -164,12 +164,24 @@ def engine_module_args(model_dir, replica_id: str, deployment: str, infra: Local
             "--nats-url", infra.nats_url, "--redis-url", infra.redis_url, "--log-format", "json", *extra]
 
 
+def _healthy(base_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 @dataclass
 class LocalStack:
-    """The whole stack on this machine: infrastructure, engine workers, scheduler(s), gateway.
+    """The whole stack on this machine: infrastructure, engine workers, scheduler(s), gateway,
+    and optionally control (deployments API, dashboard) and the scaler (local actuator).
 
     Each service is its own process, started exactly as in production (`python -m services.X`).
-    `strata up` runs one; the end-to-end tests run another.
+    `engines` static workers serve the model unmanaged; with control and the scaler, `deploy()`
+    a spec and the scaler starts its engines. `strata up` runs one; the tests run others.
     """
 
     model_dir: str
@@ -184,9 +196,14 @@ class LocalStack:
     api_key: str = ""
     log_dir: Path | None = None
     deployment: str = ""
+    control: bool = False
+    scaler: bool = False
+    control_port: int = 0
+    scaler_args: list[str] = field(default_factory=list)
     infra: LocalInfra | None = None
     services: dict[str, subprocess.Popen] = field(default_factory=dict)
     base_url: str = ""
+    control_url: str = ""
 
     def start(self, timeout: float = 120.0) -> "LocalStack":
         from shared.protocol import served_model_name
@@ -207,6 +224,14 @@ class LocalStack:
             served = [] if "--serve" in self.gateway_args else ["--served-model-name", self.deployment]
             self._spawn("gateway", ["services.gateway", "--model", self.model_dir, *served, "--port", str(self.port),
                                     "--gateway-id", "gateway-0", *self.gateway_args, *common])
+            if self.control:
+                self.control_port = self.control_port or free_port()
+                self.control_url = f"http://127.0.0.1:{self.control_port}"
+                self._spawn("control", ["services.control", "--port", str(self.control_port),
+                                        "--control-id", "control-0", *common])
+            if self.scaler:
+                self._spawn("scaler", ["services.scaler", "--scaler-id", "scaler-0", "--interval", "0.5",
+                                       "--engine-log-dir", str(self.log_dir), *self.scaler_args, *common])
             self.api_key = self._ensure_key()
             self.wait_ready(timeout)
         except BaseException:
@@ -244,7 +269,6 @@ class LocalStack:
 
     def wait_ready(self, timeout: float) -> None:
         """Until the gateway answers and every engine is registered as ready."""
-        import urllib.request
 
         import redis as sync_redis
 
@@ -260,17 +284,47 @@ class LocalStack:
                         raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_text}")
                 engines = [n for n in self.services if n.startswith("engine-")]
                 ready = all(client.hget(keys.replica(n), "state") == b"ready" for n in engines)
-                try:
-                    with urllib.request.urlopen(self.base_url + "/health", timeout=1) as resp:
-                        gateway_ok = resp.status == 200
-                except OSError:
-                    gateway_ok = False
-                if ready and gateway_ok:
+                urls = [self.base_url] + ([self.control_url] if self.control else [])
+                if ready and all(_healthy(url) for url in urls):
                     return
                 time.sleep(0.2)
         finally:
             client.close()
         raise TimeoutError(f"stack not ready after {timeout}s (logs in {self.log_dir})")
+
+    @property
+    def client(self):
+        """A client of control's REST API with the stack's admin key."""
+        from services.control.client import ControlClient
+
+        return ControlClient(self.control_url, self.api_key)
+
+    def deploy(self, spec: dict | str) -> dict:
+        """Apply a deployment spec (a mapping, or YAML/JSON text) through control."""
+        import json
+
+        return self.client.deploy(spec if isinstance(spec, str) else json.dumps(spec))
+
+    def wait_replicas(self, deployment: str, ready: int, timeout: float = 120.0, revision: int | None = None) -> None:
+        """Until `ready` replicas of the deployment (of one revision, if given) are ready."""
+        import redis as sync_redis
+
+        from shared import keys
+
+        deadline = time.monotonic() + timeout
+        client = sync_redis.Redis.from_url(self.infra.redis_url)
+        try:
+            while time.monotonic() < deadline:
+                members = [m.decode() for m in client.smembers(keys.model_replicas(deployment))]
+                entries = [client.hgetall(keys.replica(m)) for m in members]
+                count = sum(e.get(b"state") == b"ready" and (revision is None or int(e.get(b"revision", 0)) == revision)
+                            for e in entries)
+                if count >= ready:
+                    return
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise TimeoutError(f"{deployment}: fewer than {ready} ready replicas after {timeout}s (logs in {self.log_dir})")
 
     def stop_service(self, name: str, timeout: float = 30.0) -> int | None:
         proc = self.services.pop(name, None)
@@ -286,8 +340,11 @@ class LocalStack:
         return proc.returncode
 
     def stop(self) -> None:
-        for name in [n for n in self.services if n == "gateway"] + [n for n in self.services if n != "gateway"]:
-            self.stop_service(name)
+        # The gateway first (no new requests), the scaler before the engines' infrastructure
+        # (it drains the engines it started).
+        first = [n for n in ("gateway", "control", "scaler") if n in self.services]
+        for name in first + [n for n in self.services if n not in first]:
+            self.stop_service(name, timeout=60.0 if name == "scaler" else 30.0)
         if self.infra is not None:
             self.infra.stop()
 

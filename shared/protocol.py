@@ -31,6 +31,8 @@ KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
 LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept a while by JetStream
 LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
+CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
+SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 
 
 def _token(name: str) -> str:
@@ -356,6 +358,7 @@ class TokenChunk(Message):
     timestamps: dict[str, float] | None = None
     logprobs: list[TokenLogprob] | None = None
     replica_id: str | None = None
+    revision: int | None = None  # on the final chunk: the deployment revision that served it
 
     @property
     def is_final(self) -> bool:
@@ -405,6 +408,11 @@ class Heartbeat(Message):
     max_num_seqs: int = 64
     accepted_total: int = 0  # requests accepted so far: running/waiting include every one up to here
     timestamp: float = 0.0
+    revision: int = 0  # the deployment revision this replica serves (0: not managed by control)
+    ttft_p90_s: float | None = None  # recent (last 30 s) time to first token at this engine
+    itl_p50_s: float | None = None  # recent inter-token latency
+    requests_finished: int = 0  # cumulative, by outcome: rates and error ratios per revision
+    requests_failed: int = 0
 
 
 @dataclass
@@ -460,3 +468,30 @@ class LogLine(Message):
     event: str
     timestamp: str  # ISO 8601, UTC
     fields: dict[str, Any] = field(default_factory=dict)  # the rest: request_id, replica_id, error, ...
+
+
+@dataclass
+class DeploymentChanged(Message):
+    """A deployment was applied, re-weighted, promoted, rolled back or deleted. A hint: every
+    reader re-reads the deployment from Redis (and resyncs periodically, so a lost hint heals)."""
+
+    name: str
+    action: str  # apply | canary | promote | rollback | delete
+    generation: int  # increases with every change of this deployment
+    stable: int = 0
+    canary: int = 0  # 0: none
+    canary_weight: int = 0  # percent of traffic to the canary revision
+
+
+@dataclass
+class ScalerDecision(Message):
+    """What the scaler wants for one deployment revision and why."""
+
+    deployment: str
+    revision: int
+    desired: int
+    ready: int
+    starting: int
+    reason: str = ""
+    panic: bool = False
+    timestamp: float = 0.0

@@ -14,7 +14,7 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
     env.pop("STRATA_NATS_URL", None)
     env.pop("STRATA_REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.control.cli", "up", "--port", "0",
-                             "--engines", "1"],
+                             "--engines", "1", "--control-port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = {}
@@ -33,6 +33,11 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
                                          headers={"Authorization": f"Bearer {lines['api key']}"})
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert json.load(resp)["data"][0]["id"] == "tiny-llama"
+        # The CLI finds control and the admin key `strata up` saved, and reads the fleet.
+        status = subprocess.run([sys.executable, "-m", "services.control.cli", "status", "tiny-llama"], env=env,
+                                capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "traffic:    r1 100%" in status.stdout and "ready" in status.stdout, status.stdout
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:

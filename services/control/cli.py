@@ -21,8 +21,12 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """Infrastructure, gateway, scheduler, control and the scaler; the model is applied as a
+    deployment, whose engines the scaler starts (and adds, up to --max-engines, under load)."""
+    from services.control.client import write_cli_config
     from shared.localstack import LocalStack
     from shared.logging import configure_logging
+    from shared.protocol import served_model_name
     from shared.tiny_model import ensure_tiny_model
 
     settings = Settings.from_args(args)
@@ -31,39 +35,47 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack = LocalStack(model_dir, engines=args.engines, port=args.port, nats_url=settings.nats_url,
-                       redis_url=settings.redis_url, api_key=settings.api_key,
-                       log_dir=settings.home / "logs")
+    name = served_model_name(model_dir)
+    stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
+                       redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
+                       deployment=name, control=True, scaler=True, control_port=args.control_port)
     with stack:
+        stack.deploy({"name": name, "model": model_dir,
+                      "replicas": {"min": args.engines, "max": max(args.max_engines, args.engines)}})
+        if args.engines:
+            stack.wait_replicas(name, args.engines)
+        write_cli_config(stack.control_url, stack.api_key, settings.home)
         print(f"strata is up\n"
               f"  base url: {stack.base_url}/v1\n"
               f"  api key:  {stack.api_key}\n"
-              f"  model:    {stack.deployment} ({model_dir})\n"
-              f"  engines:  {args.engines}\n"
+              f"  model:    {name} ({model_dir})\n"
+              f"  engines:  {args.engines} (scaler: up to {max(args.max_engines, args.engines)})\n"
+              f"  control:  {stack.control_url}  (dashboard: {stack.control_url}/dashboard#key={stack.api_key})\n"
               f"  nats:     {stack.infra.nats_url}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
-              f"Ctrl-C stops everything.", flush=True)
+              f"`strata status {name}` shows the fleet. Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
     return 0
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
+    """Over control's API; with --redis-url straight into Redis (the first admin key)."""
+    settings = Settings.from_args(args)
+    if not settings.redis_url:
+        return _api(args, lambda c: c.create_key(args.name, args.rpm, args.tpm, args.priority, args.admin),
+                    lambda r: r["api_key"])
     import asyncio
 
     from services.gateway.auth import create_key
     from shared.store import connect_redis
 
-    settings = Settings.from_args(args)
-    if not settings.redis_url:
-        print("--redis-url (or STRATA_REDIS_URL) is required", file=sys.stderr)
-        return 2
-
     async def create() -> str:
         redis = connect_redis(settings.redis_url)
         try:
-            return await create_key(redis, args.name, rpm=args.rpm, tpm=args.tpm, priority=args.priority)
+            return await create_key(redis, args.name, rpm=args.rpm, tpm=args.tpm, priority=args.priority,
+                                    admin=args.admin)
         finally:
             await redis.aclose()
 
@@ -146,6 +158,126 @@ def _add_observability_commands(sub) -> None:
     p.set_defaults(func=cmd_diagnose)
 
 
+# ---- deployments (over control's REST API) ---------------------------------------------------
+def _api(args: argparse.Namespace, call, render) -> int:
+    """Run one API call; print JSON with --json, else the rendered text; errors to stderr."""
+    import json
+
+    from services.control.client import ControlClient, ControlError
+
+    client = ControlClient(args.control_url, args.api_key)
+    try:
+        result = call(client)
+    except ControlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if getattr(args, "json", False) else render(result))
+    return 0
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _serving(serving: dict) -> str:
+    return ", ".join(f"r{rev} {pct}%" for rev, pct in serving.items()) or "nothing"
+
+
+def render_status(d: dict) -> str:
+    dep = d["deployment"]
+    lines = [f"deployment {dep['name']}  (generation {dep['generation']}, latest revision {dep['latest']})",
+             f"  traffic:    {_serving(d['serving'])}",
+             f"  routing:    {dep['routing_policy']}",
+             f"  queue:      {d['queue']['depth']} waiting (oldest {d['queue']['oldest_wait_s']:.1f} s)",
+             f"  throughput: {d['throughput']['requests_per_s']} req/s, {d['throughput']['tokens_per_s']} tok/s",
+             f"  latency:    TTFT p90 {_ms(d['latency']['ttft_p90_s'])}, ITL p50 {_ms(d['latency']['itl_p50_s'])}"]
+    for s in d.get("scaler", []):
+        lines.append(f"  scaler:     r{s['revision']} desired {s['desired']} (ready {s['ready']}, "
+                     f"starting {s['starting']}){' PANIC' if s['panic'] else ''}: {s['reason']}")
+    lines.append("")
+    lines.append(_table([[r["replica_id"], f"r{r['revision']}", r["state"], r["running"], r["waiting"],
+                          f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"]]
+                         for r in d["replicas"]],
+                        ["REPLICA", "REV", "STATE", "RUNNING", "WAITING", "KV", "TOK/S", "TTFT P90", "DONE", "FAILED"])
+                 if d["replicas"] else "  no replicas")
+    return "\n".join(lines)
+
+
+def render_list(d: dict) -> str:
+    if not d["deployments"]:
+        return "no deployments"
+    return _table([[x["name"], _serving(x["serving"]), x["latest"], x["replicas_ready"], x["routing_policy"]]
+                   for x in d["deployments"]], ["NAME", "TRAFFIC", "LATEST", "READY", "ROUTING"])
+
+
+def render_change(d: dict) -> str:
+    dep = d["deployment"]
+    rev = f"revision {d['revision']} applied; " if "revision" in d else ""
+    return f"{dep['name']}: {rev}traffic {_serving(d.get('serving') or {str(dep['stable']): 100})}"
+
+
+def render_history(d: dict) -> str:
+    import datetime
+
+    rows = []
+    for e in d["events"]:
+        at = datetime.datetime.fromtimestamp(e["at"]).strftime("%Y-%m-%d %H:%M:%S")
+        traffic = f"r{e['stable']}" + (f" + r{e['canary']} {e['canary_weight']}%" if e["canary"] else "")
+        rows.append([e["generation"], at, e["action"], e.get("revision", ""), traffic, e.get("actor", "")])
+    revs = _table([[rev, spec["model"], f"{spec['replicas']['min']}-{spec['replicas']['max']}",
+                    spec["canary"]["weight"]] for rev, spec in d["revisions"].items()],
+                  ["REVISION", "MODEL", "REPLICAS", "CANARY%"])
+    return revs + "\n\n" + _table(rows, ["GEN", "AT", "ACTION", "REVISION", "TRAFFIC", "BY"])
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    try:
+        text = sys.stdin.read() if args.file == "-" else open(args.file).read()
+    except OSError as exc:
+        print(f"error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return _api(args, lambda c: c.deploy(text), render_change)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.name:
+        return _api(args, lambda c: c.status(args.name), render_status)
+    return _api(args, lambda c: c.deployments(), render_list)
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.canary(args.name, args.weight, args.revision), render_change)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.promote(args.name), render_change)
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.rollback(args.name, args.to), render_change)
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.history(args.name), render_history)
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.delete(args.name), lambda r: f"deleted {r['deleted']}")
+
+
+def _control_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
+    p.add_argument("--control-url", default="", help="(env STRATA_CONTROL_URL; default: from `strata up`)")
+    p.add_argument("--api-key", default="", help="an admin key (env STRATA_API_KEY; default: from `strata up`)")
+    if json_output:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata: LLM inference stack")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,8 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("up", help="run the whole stack on this machine (no Docker)")
-    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--engines", type=int, default=1, help="engines to start with (the deployment's minimum)")
+    p.add_argument("--max-engines", type=int, default=2, help="most engines the scaler may run")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--control-port", type=int, default=8081)
     Settings.add_arguments(p)
     p.set_defaults(func=cmd_up)
 
@@ -175,9 +309,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: unlimited)")
     p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: unlimited)")
     p.add_argument("--priority", default="standard", choices=["critical", "standard", "sheddable"])
-    Settings.add_arguments(p)
+    p.add_argument("--admin", action="store_true", help="may use control's API")
+    p.add_argument("--redis-url", dest="settings_redis_url", default=None,
+                   help="write the key straight into Redis instead of through control (the first admin key)")
+    _control_args(p)
     p.set_defaults(func=cmd_keys_create)
     _add_observability_commands(sub)
+
+    p = sub.add_parser("deploy", help="apply a deployment spec (YAML or JSON; - for stdin): a new revision")
+    p.add_argument("file")
+    _control_args(p)
+    p.set_defaults(func=cmd_deploy)
+    p = sub.add_parser("status", help="deployments, or one deployment's revisions, replicas, queue, latency")
+    p.add_argument("name", nargs="?")
+    _control_args(p)
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("canary", help="send a share of traffic to the canary revision")
+    p.add_argument("name")
+    p.add_argument("--weight", type=int, required=True, help="percent of traffic, 0-100")
+    p.add_argument("--revision", type=int, default=None, help="make this revision the canary")
+    _control_args(p)
+    p.set_defaults(func=cmd_canary)
+    p = sub.add_parser("promote", help="the canary revision takes all traffic")
+    p.add_argument("name")
+    _control_args(p)
+    p.set_defaults(func=cmd_promote)
+    p = sub.add_parser("rollback", help="drop the canary, or go back to the previous (or a named) revision")
+    p.add_argument("name")
+    p.add_argument("--to", type=int, default=None, help="revision to serve")
+    _control_args(p)
+    p.set_defaults(func=cmd_rollback)
+    p = sub.add_parser("history", help="a deployment's revisions and changes")
+    p.add_argument("name")
+    _control_args(p)
+    p.set_defaults(func=cmd_history)
+    p = sub.add_parser("delete", help="delete a deployment (its replicas drain and stop)")
+    p.add_argument("name")
+    _control_args(p)
+    p.set_defaults(func=cmd_delete)
     return parser
 
 

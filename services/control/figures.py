@@ -4,8 +4,8 @@ dataclasses.
 
 Engines are in the replica registry (with their /metrics URL, load and revision); gateways and
 schedulers register themselves under `strata:service:<kind>:<id>`; a gateway can also be named
-by URL. Deployment settings (max_replicas, routing_policy, ...) are the `strata:deployment:<name>`
-hashes.
+by URL. Deployments managed by control (shared.deployments) give the revisions serving, the
+routing policy and the replica bounds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.control.diagnose import DeploymentFigures, EngineFigures, Figures, ServiceFigures
-from shared import keys, registry
+from shared import deployments, keys, registry
 from shared.layers import LAYER_NAMES
 from shared.metrics_history import WINDOW_HEADER
 from shared.store import connect_redis
@@ -63,11 +63,17 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
                 entry = await redis.hgetall(keys.replica(replica))
                 if entry:
                     engines[replica] = {k.decode(): v.decode() for k, v in entry.items()}
-        services = {kind: await registry.services(redis, kind) for kind in ("gateway", "scheduler", "control")}
+        services = {kind: await registry.services(redis, kind) for kind in ("gateway", "scheduler", "scaler", "control")}
         settings = {}
-        for model in models:
-            raw = await redis.hgetall(keys.deployment(model))
-            settings[model] = {k.decode(): v.decode() for k, v in raw.items()}
+        for name in await deployments.list_names(redis):
+            d = await deployments.load(redis, name)
+            if d is not None:
+                s = d.state
+                settings[name] = {"stable": str(s.stable), "routing_policy": s.routing_policy,
+                                  "min_replicas": str(d.stable_spec.replicas.min),
+                                  "max_replicas": str(d.stable_spec.replicas.max)}
+                if s.canary:
+                    settings[name].update(canary=str(s.canary), canary_weight=f"{s.canary_weight}%")
         return engines, services, settings
     finally:
         await redis.aclose()
@@ -75,7 +81,8 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
 
 def _engine(replica: str, fields: dict[str, str], s: Samples | None) -> EngineFigures:
     deployment = fields.get("deployment") or fields.get("model", "")
-    e = EngineFigures(replica, deployment, revision=fields.get("revision", ""),
+    revision = fields.get("revision", "0")
+    e = EngineFigures(replica, deployment, revision="" if revision == "0" else revision,
                       state=fields.get("state", "?") if s is not None else "unreachable",
                       max_num_seqs=int(float(fields.get("max_num_seqs", 64))))
     if s is None:

@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.engine", description="Strata engine worker")
     p.add_argument("--replica-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--deployment", default="", help="served model name (default: the model directory's name)")
+    p.add_argument("--revision", type=int, default=0, help="deployment revision served (0: not managed by control)")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     p.add_argument("--lease-ttl", type=float, default=5.0)
@@ -39,6 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_flags(engine: dict) -> list[str]:
+    """The flags that give this worker a deployment spec's engine arguments (see
+    services.control.spec.ENGINE_ARGS for the names)."""
+    flags = []
+    for name, value in engine.items():
+        if name == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+        else:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
@@ -56,7 +69,7 @@ def main(argv=None) -> int:
                        attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay,
                        num_threads=args.threads)
     cfg = WorkerConfig(model_dir=settings.model, replica_id=args.replica_id,
-                       deployment=args.deployment or protocol.served_model_name(settings.model),
+                       deployment=args.deployment or protocol.served_model_name(settings.model), revision=args.revision,
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,
                        http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
                        drain_timeout=args.drain_timeout, engine_args=engine_args)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.engine.model_runner import STEP_PHASES, StepTimings
@@ -52,6 +55,10 @@ class EngineMetrics:
         self._success = Counter("strata:request_success", "Finished requests by reason.",
                                 labels + ["finished_reason"], registry=r)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+        self.recent_ttft = LatencyWindow()
+        self.recent_itl = LatencyWindow()
+        self.finished_total = 0
+        self.failed_total = 0
 
     def observe_step(self, step: StepTimings) -> None:
         """One step's phases (called on the engine thread; prometheus_client is thread-safe)."""
@@ -61,6 +68,16 @@ class EngineMetrics:
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._values, finished_reason=reason).inc()
+        self.finished_total += 1
+        self.failed_total += reason == "error"
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.recent_itl.add(seconds)
 
     def update_engine(self, stats: dict) -> None:
         """Mirror the engine's cumulative counters (read once per heartbeat)."""
@@ -74,3 +91,24 @@ class EngineMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = stats[stat]
+
+
+class LatencyWindow:
+    """Recent latencies (the last `span_s` seconds, at most `max_samples`): the live TTFT and
+    inter-token figures a heartbeat carries to the scaler and the dashboard."""
+
+    def __init__(self, span_s: float = 30.0, max_samples: int = 2048):
+        self.span_s = span_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, value))
+
+    def quantile(self, q: float, now: float | None = None) -> float | None:
+        cutoff = (time.monotonic() if now is None else now) - self.span_s
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+        if not self._samples:
+            return None
+        values = sorted(v for _, v in self._samples)
+        return values[min(int(q * len(values)), len(values) - 1)]

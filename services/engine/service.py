@@ -54,6 +54,7 @@ class WorkerConfig:
     heartbeat_interval: float = 1.0
     drain_timeout: float = 30.0
     engine_args: dict = field(default_factory=dict)
+    revision: int = 0
 
 
 def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
@@ -252,6 +253,7 @@ class EngineWorker:
             chunk.usage = Usage(prompt_tokens=len(last.prompt_token_ids),
                                 completion_tokens=len(completion.token_ids), cached_tokens=last.num_cached_tokens)
             chunk.timings = {f"engine_{k}": v for k, v in last.metrics.timings().items()}
+            chunk.revision = self.cfg.revision or None
         return chunk
 
     def _record_final(self, out: RequestOutput, arrival: float) -> None:
@@ -312,7 +314,9 @@ class EngineWorker:
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
             tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
             max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,
-            timestamp=time.time())
+            timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self.metrics.recent_ttft.quantile(0.9),
+            itl_p50_s=self.metrics.recent_itl.quantile(0.5), requests_finished=self.metrics.finished_total,
+            requests_failed=self.metrics.failed_total)
 
     def _update_rate(self) -> None:
         now, tokens = time.monotonic(), self.engine.tokens_generated
@@ -405,9 +409,9 @@ class ChunkSink:
             now = time.monotonic()
             if chunk.token_ids:
                 if self.last_emit is None:
-                    w.metrics.ttft.observe(now - self.arrival)
+                    w.metrics.first_token(now - self.arrival)
                 else:
-                    w.metrics.itl.observe((now - self.last_emit) / len(chunk.token_ids))
+                    w.metrics.token_gap((now - self.last_emit) / len(chunk.token_ids))
                 self.last_emit = now
             if chunk.is_final:
                 chunk.timestamps = self._stamps(out)

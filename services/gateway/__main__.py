@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     settings = Settings.from_args(args)
     configure_logging("gateway", settings.log_format, settings.log_level)
     models = args.serve or ([settings.model] if settings.model else [])
-    if not models or not settings.nats_url or not settings.redis_url:
-        print("a model (--model or --serve), --nats-url and --redis-url are required", file=sys.stderr)
+    if not settings.nats_url or not settings.redis_url:
+        # Models: the directories given here, plus every deployment control stores.
+        print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout)

@@ -23,6 +23,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def error_response(exc: ApiError):
+    """The aiohttp response of an ApiError, with Retry-After when it has one."""
+    from aiohttp import web
+
+    headers = {}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(int(exc.retry_after + 0.999), 1))
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)
 
@@ -259,9 +269,10 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: dict) -> 
 
 def strata_extension(final: TokenChunk, done: float) -> dict:
     """Where the request's time went (seconds per layer, shared.layers, and `e2e`), the same
-    split by component (runtime / infrastructure), and which replica served it."""
+    split by component (runtime / infrastructure), and which replica (and revision) served it."""
     timings = layer_timings({**(final.timestamps or {}), "gateway_done": done})
-    return {"replica_id": final.replica_id, "timings": {k: round(v, 6) for k, v in timings.items()},
+    return {"replica_id": final.replica_id, "revision": final.revision,
+            "timings": {k: round(v, 6) for k, v in timings.items()},
             "components": {k: round(v, 6) for k, v in by_component(timings).items()}}
 
 

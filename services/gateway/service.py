@@ -25,10 +25,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.gateway import openai_api as oa
 from services.gateway import tracing
 from services.gateway.auth import ApiKey, KeyStore
-from services.gateway.openai_api import ApiError, ParsedRequest
+from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
 from shared import protocol, registry
 from shared.bus import Bus
+from shared.deployments import Deployment, DeploymentWatcher
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
@@ -98,7 +99,10 @@ class GatewayMetrics:
 class GatewayService:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
-        self.models: dict[str, ServedModel] = {}
+        self.models: dict[str, ServedModel] = {}  # served name -> model (static ones, then deployments)
+        self.aliases: dict[str, str] = {}  # alias -> served name (deployment aliases)
+        self._static: set[str] = set()
+        self.deployments: DeploymentWatcher | None = None
         self.metrics = GatewayMetrics()
         self.history = MetricsHistory(self.metrics.registry)
         self.bus: Bus | None = None
@@ -122,9 +126,12 @@ class GatewayService:
         names = self.cfg.served_names or [protocol.served_model_name(p) for p in self.cfg.models]
         for name, path in zip(names, self.cfg.models):
             self.models[name] = await loop.run_in_executor(None, load_served_model, name, path)
+        self._static = set(self.models)
         self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}")
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
+        self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
+        await self.deployments.start(self.bus)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
@@ -135,13 +142,14 @@ class GatewayService:
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.cfg.host}:{port}"
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
-            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url, "models": ",".join(self.models)}))]
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url}))]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
         self._watchdog.cancel()
         for task in self._observers:
             task.cancel()
+        self.deployments.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -157,6 +165,29 @@ class GatewayService:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
+
+    async def _on_deployment_change(self, name: str, deployment: Deployment | None) -> None:
+        """Serve a deployment under its name and aliases (the stable revision's tokenizer)."""
+        for alias in [a for a, target in self.aliases.items() if target == name]:
+            del self.aliases[alias]
+        if deployment is None:
+            if name not in self._static:
+                self.models.pop(name, None)
+            log.info("deployment removed", deployment=name)
+            return
+        spec = deployment.stable_spec
+        current = self.models.get(name)
+        if current is None or current.path != Path(spec.model):
+            try:
+                self.models[name] = await asyncio.get_running_loop().run_in_executor(
+                    None, load_served_model, name, spec.model)
+            except Exception as exc:  # keep serving what we had; control validated the spec
+                log.error("cannot load the deployment's tokenizer", deployment=name, error=str(exc))
+                return
+        for alias in spec.aliases:
+            if alias not in self.models:
+                self.aliases[alias] = name
+        log.info("deployment served", deployment=name, aliases=spec.aliases, revision=deployment.state.stable)
 
     # ---- plumbing ---------------------------------------------------------------------------
     async def _on_chunk(self, msg) -> None:
@@ -253,7 +284,10 @@ class GatewayService:
         await self._authenticate(request)
         return web.json_response({"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": "strata",
-             "max_model_len": m.max_model_len} for m in self.models.values()]})
+             "max_model_len": m.max_model_len} for m in self.models.values()] + [
+            {"id": alias, "object": "model", "created": self.models[target].created, "owned_by": "strata",
+             "root": target, "max_model_len": self.models[target].max_model_len}
+            for alias, target in self.aliases.items() if target in self.models]})
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -295,7 +329,7 @@ class GatewayService:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def _model(self, name: str) -> ServedModel:
-        model = self.models.get(name)
+        model = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
         if model is None:
             raise ApiError(404, f"the model '{name}' does not exist", "invalid_request_error", "model",
                            "model_not_found")
@@ -500,10 +534,3 @@ async def read_json(request: web.Request):
         return await request.json(loads=json.loads)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise oa.bad("the request body is not valid JSON") from None
-
-
-def error_response(exc: ApiError) -> web.Response:
-    headers = {}
-    if exc.retry_after is not None:
-        headers["retry-after"] = str(max(int(exc.retry_after + 0.999), 1))
-    return web.json_response(exc.body(), status=exc.status, headers=headers)

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-weight", type=float, default=4.0,
                    help="kv_aware: blocks of prefill that one request of load on a replica is worth")
     p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     Settings.add_arguments(p)
     return p
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     service = SchedulerService(SchedulerConfig(
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
         load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
-        http_port=args.http_port))
+        http_host=args.http_host, http_port=args.http_port))
     aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 

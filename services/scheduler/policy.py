@@ -31,6 +31,7 @@ class ReplicaState:
     unreported: list[int] = field(default_factory=list)
     accepted_reported: int = 0  # the accepted_total of its last report
     last_seen: float = 0.0
+    revision: int = 0  # deployment revision it serves (0: unmanaged)
 
     @property
     def load(self) -> int:

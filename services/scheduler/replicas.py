@@ -21,7 +21,7 @@ class ReplicaView:
         r = per_model.get(hb.replica_id) or ReplicaState(hb.replica_id)
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
-        r.block_size, r.max_num_seqs = hb.block_size, hb.max_num_seqs
+        r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
         r.reported(hb.accepted_total)
         r.last_seen = now
         per_model[hb.replica_id] = r
@@ -41,7 +41,7 @@ class ReplicaView:
                     waiting=int(fields.get("waiting", 0)), kv_blocks_used=int(fields.get("kv_blocks_used", 0)),
                     kv_blocks_total=int(fields.get("kv_blocks_total", 1)),
                     block_size=int(fields.get("block_size", 16)), max_num_seqs=int(fields.get("max_num_seqs", 64)),
-                    last_seen=now)
+                    revision=int(fields.get("revision", 0)), last_seen=now)
 
     def avoid(self, replica_id: str, now: float | None = None) -> None:
         """Keep a replica that just failed out of routing for a while."""

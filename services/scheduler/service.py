@@ -24,6 +24,7 @@ from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.replicas import ReplicaView
 from services.scheduler.tracing import RoutingSpans
 from shared import keys, protocol, registry
+from shared.deployments import DeploymentWatcher
 from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
 from shared.logging import get_logger
@@ -56,8 +57,8 @@ class SchedulerConfig:
 class SchedulerMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.decisions = Counter("strata:scheduler_decisions", "Routing decisions.", ["model_name", "policy", "outcome"],
-                                 registry=r)
+        self.decisions = Counter("strata:scheduler_decisions", "Routing decisions.",
+                                 ["model_name", "policy", "outcome", "revision"], registry=r)
         self.matched = Histogram("strata:scheduler_matched_prefix_fraction",
                                  "Fraction of the prompt's blocks cached on the chosen replica.", ["model_name"],
                                  buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
@@ -94,7 +95,7 @@ class SchedulerService:
         self._resyncing: dict[tuple[str, str], list[KvEventBatch]] = {}  # batches that arrived meanwhile
         self._runner: web.AppRunner | None = None
         self.http_url = ""
-        self._deployment_policy: dict[str, str] = {}
+        self.deployments: DeploymentWatcher | None = None
         self._wake_dispatch = asyncio.Event()
         self._dispatched: dict[str, int] = {}  # model -> dispatched from its queue this second
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
@@ -107,6 +108,8 @@ class SchedulerService:
         self.bus = await Bus.connect(self.cfg.nats_url, f"scheduler-{self.cfg.scheduler_id}")
         self.redis = connect_redis(self.cfg.redis_url, f"scheduler-{self.cfg.scheduler_id}")
         self.index = PrefixIndex(self.redis)
+        self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
+        await self.deployments.start(self.bus)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(protocol.KV_EVENTS_ALL, KvEventBatch, self.on_kv_events)
         await self.bus.subscribe(protocol.GENERATE, GenerateRequest, self.on_generate,
@@ -150,6 +153,7 @@ class SchedulerService:
         return task
 
     async def stop(self) -> None:
+        self.deployments.stop()
         for task in list(self._tasks):
             task.cancel()
         if self._runner is not None:
@@ -161,7 +165,28 @@ class SchedulerService:
         await self.redis.aclose()
 
     def policy_for(self, model: str) -> str:
-        return self.cfg.policies.get(model) or self._deployment_policy.get(model) or self.cfg.policy
+        deployment = self.deployments.deployments.get(model)
+        return self.cfg.policies.get(model) or (deployment.state.routing_policy if deployment else self.cfg.policy)
+
+    async def _on_deployment_change(self, name: str, deployment) -> None:
+        if deployment is None and self.queues.get(name):  # deleted: what waited for it ends now
+            queue = self.queues.pop(name)
+            while (item := queue.pop()) is not None:
+                await self._fail(item.payload, ErrorCode.NOT_FOUND, f"deployment {name!r} was deleted")
+        self._wake_dispatch.set()
+
+    def revision_candidates(self, model: str, candidates: list, draw: float) -> tuple[list, int]:
+        """The replicas of the revision this request goes to (by the deployment's canary
+        weight), or, while that revision has none ready, those of the others it serves."""
+        deployment = self.deployments.deployments.get(model)
+        if deployment is None:
+            return candidates, 0
+        revision = deployment.state.revision_for(draw)
+        chosen = [r for r in candidates if r.revision == revision]
+        if chosen:
+            return chosen, revision
+        serving = deployment.state.serving()
+        return [r for r in candidates if r.revision in serving] or candidates, revision
 
     # ---- replicas and the prefix index ------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
@@ -229,9 +254,6 @@ class SchedulerService:
                     replica_id = key.decode().rsplit(":", 1)[1]
                     if replica_id not in live:
                         await self.index.remove_replica(model, replica_id)
-            raw = await self.redis.hget(keys.deployment(model), "routing_policy")
-            if raw and raw.decode() in POLICIES:
-                self._deployment_policy[model] = raw.decode()
 
     async def _registry_loop(self) -> None:
         rounds = 0
@@ -250,9 +272,11 @@ class SchedulerService:
         self.spans.begin(req)
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
-        if not self.view.replicas.get(req.model):
+        if not self.view.replicas.get(req.model) and req.model not in self.deployments.deployments:
             await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} is running")
             return
+        # A deployment with no replica (scaled to zero, or starting): the request waits in the
+        # queue, whose depth tells the scaler to start one, until its deadline.
         if req.deadline is not None and req.deadline <= time.time():
             await self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was routed")
             return
@@ -327,7 +351,9 @@ class SchedulerService:
     async def _route(self, req: GenerateRequest) -> None:
         received = req.timestamps.get("scheduler_received", time.time())
         policy = self.policy_for(req.model)
+        draw = self.router.rng.random()  # once per request: retries stay on its revision
         tried: set[str] = set()
+        revision = 0
         for attempt in range(1, self.cfg.max_attempts + 1):
             if req.request_id in self._cancelled:
                 await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
@@ -335,6 +361,7 @@ class SchedulerService:
             candidates = [r for r in self.view.candidates(req.model) if r.replica_id not in tried]
             if not candidates:
                 break
+            candidates, revision = self.revision_candidates(req.model, candidates, draw)
             block_size = candidates[0].block_size
             hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
             overlaps = {}
@@ -357,7 +384,7 @@ class SchedulerService:
             choice.inflight -= 1
             if ack is not None and ack.accepted:
                 choice.acknowledged(ack.accepted_seq)
-                self.metrics.decisions.labels(req.model, policy, "routed").inc()
+                self.metrics.decisions.labels(req.model, policy, "routed", str(revision)).inc()
                 if overlaps:  # what was looked up: the chosen replica's share against the best one's
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                     self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
@@ -377,7 +404,7 @@ class SchedulerService:
             self.metrics.retries.inc()
             log.info("replica refused or timed out; trying another", replica_id=choice.replica_id,
                      error=None if ack is None or ack.error is None else ack.error.message)
-        self.metrics.decisions.labels(req.model, policy, "no_replica").inc()
+        self.metrics.decisions.labels(req.model, policy, "no_replica", str(revision)).inc()
         await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} can take the request")
 
     async def _forward(self, req: GenerateRequest, replica_id: str) -> GenerateAck | None:

@@ -1,0 +1,299 @@
+"""Control: the deployment API (REST, admin key), the live fleet view, and the dashboard.
+
+Every change is stored in Redis as a revision or a state change (services.control.store) and
+announced on CONTROL_DEPLOYMENTS; the gateway, schedulers and scaler pick it up without a
+restart. The fleet view (heartbeats, scheduler stats, scaler decisions) feeds `strata status`
+and the dashboard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from services.control import spec as specs
+from services.control.fleet import FleetView
+from services.control.store import DeploymentError, DeploymentStore
+from services.gateway.auth import ApiKey, KeyStore, create_key
+from services.gateway.openai_api import ApiError, error_response
+from shared import deployments, protocol
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.protocol import DeploymentChanged, Heartbeat, ScalerDecision, SchedulerStats
+from shared.store import connect_redis
+
+log = get_logger()
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass
+class ControlConfig:
+    nats_url: str
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8081
+    control_id: str = "control"
+    sample_interval: float = 2.0
+
+
+class ControlService:
+    def __init__(self, cfg: ControlConfig):
+        self.cfg = cfg
+        self.fleet = FleetView()
+        self.bus: Bus | None = None
+        self.redis = None
+        self.store: DeploymentStore | None = None
+        self.keys: KeyStore | None = None
+        self.registry = CollectorRegistry()
+        self.changes = Counter("strata:control_deployment_changes", "Deployment changes by action.", ["action"],
+                               registry=self.registry)
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        structlog.contextvars.bind_contextvars(control_id=self.cfg.control_id)
+        self.bus = await Bus.connect(self.cfg.nats_url, f"control-{self.cfg.control_id}")
+        self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
+        self.store = DeploymentStore(self.redis)
+        self.keys = KeyStore(self.redis, cache_ttl=2.0)
+        await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
+        await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
+        await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
+        self._sampler = asyncio.create_task(self._sample_loop())
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.url = f"http://{self.cfg.host}:{site._server.sockets[0].getsockname()[1]}"
+        log.info("control ready", url=self.url)
+
+    async def stop(self) -> None:
+        self._sampler.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.bus.close()
+        await self.redis.aclose()
+
+    async def _on_heartbeat(self, hb: Heartbeat, _raw) -> None:
+        self.fleet.on_heartbeat(hb)
+
+    async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
+        self.fleet.on_scheduler_stats(stats)
+
+    async def _on_scaler_decision(self, decision: ScalerDecision, _raw) -> None:
+        self.fleet.on_scaler_decision(decision)
+
+    async def _sample_loop(self) -> None:
+        while True:
+            self.fleet.sample()
+            await asyncio.sleep(self.cfg.sample_interval)
+
+    # ---- http plumbing ----------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/", lambda _r: web.HTTPFound("/dashboard"))
+        app.router.add_get("/dashboard", self.dashboard)
+        app.router.add_get("/api/v1/deployments", self.list_deployments)
+        app.router.add_post("/api/v1/deployments", self.apply)
+        app.router.add_get("/api/v1/deployments/{name}", self.get_deployment)
+        app.router.add_delete("/api/v1/deployments/{name}", self.delete)
+        app.router.add_post("/api/v1/deployments/{name}/canary", self.canary)
+        app.router.add_post("/api/v1/deployments/{name}/promote", self.promote)
+        app.router.add_post("/api/v1/deployments/{name}/rollback", self.rollback)
+        app.router.add_get("/api/v1/deployments/{name}/history", self.history)
+        app.router.add_post("/api/v1/keys", self.create_key)
+        app.router.add_get("/api/v1/overview", self.overview)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except specs.SpecError as exc:
+            response = error_response(ApiError(400, f"invalid deployment spec: {exc}", "invalid_request_error",
+                                               exc.errors[0][0], "invalid_spec"))
+            body = json.loads(response.body)
+            body["error"]["errors"] = [{"field": f, "reason": r} for f, r in exc.errors]
+            return web.json_response(body, status=400)
+        except DeploymentError as exc:
+            return error_response(ApiError(exc.status, str(exc), "invalid_request_error", None, exc.code))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(ApiError(exc.status, exc.reason or "error"))
+        except Exception:
+            log.exception("unhandled error", path=request.path)
+            return error_response(ApiError(500, "internal error", "server_error"))
+
+    async def _admin(self, request: web.Request) -> ApiKey:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <admin key>'", "authentication_error",
+                           None, "invalid_api_key")
+        try:
+            key = await self.keys.lookup(header[7:].strip())
+        except Exception:
+            raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
+                           retry_after=1.0) from None
+        if key is None:
+            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
+        if not key.admin:
+            raise ApiError(403, "this API needs an admin key", "permission_error", None, "forbidden")
+        structlog.contextvars.bind_contextvars(actor=key.tenant)
+        return key
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def _announce(self, name: str, action: str, state) -> None:
+        self.changes.labels(action).inc()
+        msg = DeploymentChanged(name=name, action=action, generation=state.generation if state else 0,
+                                stable=state.stable if state else 0, canary=state.canary if state else 0,
+                                canary_weight=state.canary_weight if state else 0)
+        await self.bus.publish(protocol.CONTROL_DEPLOYMENTS, msg)
+        log.info("deployment changed", deployment=name, action=action,
+                 stable=msg.stable, canary=msg.canary, canary_weight=msg.canary_weight)
+
+    async def _state(self, name: str) -> deployments.DeploymentState:
+        state = await deployments.read_state(self.redis, name)
+        if state is None:
+            raise ApiError(404, f"deployment {name} does not exist", "invalid_request_error", "name", "not_found")
+        return state
+
+    # ---- routes -----------------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        connected = self.bus is not None and self.bus.nc.is_connected
+        return web.json_response({"status": "ok" if connected else "degraded"}, status=200 if connected else 503)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def dashboard(self, _request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "dashboard.html")
+
+    async def apply(self, request: web.Request) -> web.Response:
+        key = await self._admin(request)
+        text = await request.text()
+        data = specs.parse_spec(text)
+        loop = asyncio.get_running_loop()  # reads the model's config.json: off the loop
+        spec = await loop.run_in_executor(None, specs.validate, data)
+        state = await self.store.apply(spec, actor=key.tenant)
+        await self._announce(spec.name, "apply", state)
+        return web.json_response({"deployment": asdict(state), "revision": state.latest}, status=201)
+
+    async def list_deployments(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        out = []
+        for name in await deployments.list_names(self.redis):
+            state = await deployments.read_state(self.redis, name)
+            if state is not None:
+                out.append({**asdict(state), "serving": state.serving(),
+                            "replicas_ready": sum(r["state"] == "ready" for r in self.fleet.status(name)["replicas"])})
+        return web.json_response({"deployments": out})
+
+    async def get_deployment(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        return web.json_response(await self._describe(request.match_info["name"]))
+
+    async def _describe(self, name: str) -> dict:
+        state = await self._state(name)
+        serving = state.serving()
+        revs = {}
+        for rev in sorted(set(serving) | {state.latest}):
+            spec = await deployments.read_spec(self.redis, name, rev)
+            if spec is not None:
+                revs[rev] = {"model": spec.model, "replicas": asdict(spec.replicas), "slo": asdict(spec.slo),
+                             "traffic_percent": serving.get(rev, 0)}
+        return {"deployment": asdict(state), "serving": serving, "revisions": revs, **self.fleet.status(name)}
+
+    async def delete(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        name = request.match_info["name"]
+        await self.store.delete(name)
+        await self._announce(name, "delete", None)
+        return web.json_response({"deleted": name})
+
+    async def canary(self, request: web.Request) -> web.Response:
+        key = await self._admin(request)
+        name, body = request.match_info["name"], await self._json(request)
+        weight, revision = body.get("weight"), body.get("revision")
+        if not isinstance(weight, int) or isinstance(weight, bool):
+            raise ApiError(400, "weight must be an integer percentage", "invalid_request_error", "weight")
+        if revision is not None and (not isinstance(revision, int) or isinstance(revision, bool)):
+            raise ApiError(400, "revision must be an integer", "invalid_request_error", "revision")
+        state = await self.store.set_canary(name, weight, revision, actor=key.tenant)
+        await self._announce(name, "canary", state)
+        return web.json_response({"deployment": asdict(state), "serving": state.serving()})
+
+    async def promote(self, request: web.Request) -> web.Response:
+        key = await self._admin(request)
+        name = request.match_info["name"]
+        state = await self.store.promote(name, actor=key.tenant)
+        await self._announce(name, "promote", state)
+        return web.json_response({"deployment": asdict(state), "serving": state.serving()})
+
+    async def rollback(self, request: web.Request) -> web.Response:
+        key = await self._admin(request)
+        name, body = request.match_info["name"], await self._json(request)
+        to = body.get("to")
+        if to is not None and (not isinstance(to, int) or isinstance(to, bool)):
+            raise ApiError(400, "to must be a revision number", "invalid_request_error", "to")
+        state = await self.store.rollback(name, to, actor=key.tenant)
+        await self._announce(name, "rollback", state)
+        return web.json_response({"deployment": asdict(state), "serving": state.serving()})
+
+    async def history(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        name = request.match_info["name"]
+        state = await self._state(name)
+        revs = await deployments.revisions(self.redis, name, state.latest)
+        return web.json_response({"deployment": asdict(state),
+                                  "revisions": {rev: spec.to_dict() for rev, spec in revs.items()},
+                                  "events": await deployments.history(self.redis, name)})
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        body = await self._json(request)
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "name (the tenant) is required", "invalid_request_error", "name")
+        rpm, tpm = body.get("rpm", 0), body.get("tpm", 0)
+        priority, admin = body.get("priority", "standard"), body.get("admin", False)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rpm, tpm)):
+            raise ApiError(400, "rpm and tpm must be non-negative integers", "invalid_request_error", "rpm")
+        if priority not in ("critical", "standard", "sheddable") or not isinstance(admin, bool):
+            raise ApiError(400, "priority must be critical, standard or sheddable; admin true or false",
+                           "invalid_request_error", "priority")
+        api_key = await create_key(self.redis, name, rpm=rpm, tpm=tpm, priority=priority, admin=admin)
+        return web.json_response({"api_key": api_key, "name": name}, status=201)
+
+    async def overview(self, request: web.Request) -> web.Response:
+        """Everything the dashboard draws, in one call."""
+        await self._admin(request)
+        names = set(await deployments.list_names(self.redis)) | self.fleet.deployments()
+        out = []
+        for name in sorted(names):
+            state = await deployments.read_state(self.redis, name)
+            out.append({"name": name, "deployment": asdict(state) if state else None,
+                        "serving": state.serving() if state else {}, **self.fleet.status(name),
+                        "series": self.fleet.series(name)})
+        return web.json_response({"at": time.time(), "deployments": out})

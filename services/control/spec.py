@@ -1,0 +1,173 @@
+"""The deployment spec: what an operator writes, checked before anything is stored.
+
+A spec is YAML or JSON. Every error names the field and the reason, and all errors are reported
+at once, so a bad file is fixed in one go:
+
+    name: tiny                  # served model name (letters, digits, - and _)
+    model: /models/tiny-llama   # a Hugging Face directory of a supported architecture
+    aliases: [tiny-chat]        # more names clients may use
+    engine: {max_num_seqs: 32}  # engine arguments (vLLM names)
+    replicas: {min: 1, max: 4}
+    slo: {ttft_ms: 2000, itl_ms: 200}
+    routing: {policy: kv_aware}
+    canary: {weight: 20}        # > 0: this revision starts as a canary with that share of traffic
+    scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
+
+Pure: no I/O except reading the model's config.json to check its architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.engine.model_config import ModelConfig
+from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo
+from services.scheduler.policy import POLICIES
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+# Engine arguments a deployment may set, with their types; each maps to one engine flag
+# (services.engine.__main__.engine_flags).
+ENGINE_ARGS: dict[str, type] = {
+    "block_size": int, "num_kv_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+    "max_model_len": int, "enable_prefix_caching": bool, "dtype": str, "device": str, "attention_backend": str,
+    "threads": int, "debug_step_delay": float,
+}
+
+
+class SpecError(ValueError):
+    """An invalid spec; `errors` lists (field, reason) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{f}: {r}" for f, r in errors))
+
+
+def _type_name(t) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, t.__name__)
+
+
+def _check_type(value: Any, t: type) -> bool:
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def _section(raw: Any, cls, where: str, errors: list) -> Any:
+    """A nested dataclass section: known fields of the right types, others reported."""
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        errors.append((where, "must be a mapping"))
+        return cls()
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in types:
+            errors.append((f"{where}.{key}", f"unknown field (known: {', '.join(types)})"))
+            continue
+        t = {"int": int, "float": float}[types[key]]
+        if not _check_type(value, t):
+            errors.append((f"{where}.{key}", f"must be {_type_name(t)}, got {type(value).__name__}"))
+        elif value < 0:
+            errors.append((f"{where}.{key}", "must not be negative"))
+        else:
+            values[key] = value
+    return cls(**values)
+
+
+def parse_spec(text: str) -> dict:
+    """YAML or JSON text to a mapping."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([("(file)", f"not valid YAML or JSON: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise SpecError([("(file)", "must be a mapping of fields")])
+    return data
+
+
+def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
+    """The spec, or SpecError listing every problem (field, reason)."""
+    if not isinstance(data, dict):
+        raise SpecError([("(spec)", "must be a mapping of fields")])
+    errors: list[tuple[str, str]] = []
+    known = {f.name for f in dataclasses.fields(DeploymentSpec)}
+    for key in data:
+        if key not in known:
+            errors.append((str(key), f"unknown field (known: {', '.join(sorted(known))})"))
+
+    name = data.get("name")
+    if name is None:
+        errors.append(("name", "required"))
+    elif not isinstance(name, str) or not NAME_RE.match(name):
+        errors.append(("name", "must be 1-63 letters, digits, '-' or '_', starting with a letter or digit"))
+
+    model = data.get("model")
+    if model is None:
+        errors.append(("model", "required"))
+    elif not isinstance(model, str):
+        errors.append(("model", f"must be a string (a model directory), got {type(model).__name__}"))
+    elif check_model:
+        if not Path(model).is_dir():
+            errors.append(("model", f"directory {model} does not exist"))
+        else:
+            try:
+                ModelConfig.load(model)
+            except (ValueError, KeyError, OSError) as exc:
+                errors.append(("model", f"not a supported model: {exc}"))
+
+    aliases = data.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and NAME_RE.match(a) for a in aliases):
+        errors.append(("aliases", "must be a list of names (letters, digits, '-' or '_')"))
+        aliases = []
+    elif name in aliases:
+        errors.append(("aliases", "must not repeat the deployment's name"))
+
+    engine = data.get("engine", {})
+    if not isinstance(engine, dict):
+        errors.append(("engine", "must be a mapping of engine arguments"))
+        engine = {}
+    for key, value in engine.items():
+        if key not in ENGINE_ARGS:
+            errors.append((f"engine.{key}", f"unknown engine argument (known: {', '.join(ENGINE_ARGS)})"))
+        elif not _check_type(value, ENGINE_ARGS[key]):
+            errors.append((f"engine.{key}", f"must be {_type_name(ENGINE_ARGS[key])}, got {type(value).__name__}"))
+
+    replicas = _section(data.get("replicas"), Replicas, "replicas", errors)
+    if replicas.min > replicas.max:
+        errors.append(("replicas", f"min ({replicas.min}) is greater than max ({replicas.max})"))
+    if replicas.max < 1:
+        errors.append(("replicas.max", "must be at least 1"))
+    slo = _section(data.get("slo"), Slo, "slo", errors)
+    if slo.ttft_ms <= 0 or slo.itl_ms <= 0:
+        errors.append(("slo", "ttft_ms and itl_ms must be positive"))
+    scaling = _section(data.get("scaling"), Scaling, "scaling", errors)
+    if scaling.target_concurrency <= 0:
+        errors.append(("scaling.target_concurrency", "must be positive"))
+
+    routing = data.get("routing", {"policy": "kv_aware"})
+    if not isinstance(routing, dict) or set(routing) - {"policy"}:
+        errors.append(("routing", "must be a mapping with one field, policy"))
+        routing = {"policy": "kv_aware"}
+    elif routing.get("policy", "kv_aware") not in POLICIES:
+        errors.append(("routing.policy", f"must be one of {', '.join(POLICIES)}, got {routing.get('policy')!r}"))
+
+    canary = data.get("canary", {"weight": 0})
+    if not isinstance(canary, dict) or set(canary) - {"weight"}:
+        errors.append(("canary", "must be a mapping with one field, weight"))
+        canary = {"weight": 0}
+    elif not _check_type(canary.get("weight", 0), int) or not 0 <= canary.get("weight", 0) <= 100:
+        errors.append(("canary.weight", "must be an integer percentage from 0 to 100"))
+
+    if errors:
+        raise SpecError(errors)
+    return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
+                          slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling)

@@ -1,0 +1,161 @@
+"""Deployments in Redis: immutable numbered revisions and the live state that points at them.
+
+    strata:deployments                       set of names
+    strata:deployment:<name>                 hash: latest, stable, canary, canary_weight,
+                                             routing_policy, generation, updated_at
+    strata:deployment:<name>:revision:<n>    the spec of revision n (JSON), never rewritten
+    strata:deployment:<name>:history         list of change events (JSON)
+
+Every change is one optimistic transaction (WATCH on the state hash), so several control
+replicas can serve the API at once. Readers (`read_state`, `read_spec`) are used by the
+gateway, schedulers and scaler too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from shared import keys
+from shared.deployments import DeploymentSpec, DeploymentState, history, read_spec, read_state
+
+HISTORY_LIMIT = 200
+
+
+class DeploymentError(Exception):
+    """An operation that cannot be done to the deployment in its current state."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request"):
+        self.status, self.code = status, code
+        super().__init__(message)
+
+
+class DeploymentStore:
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+
+    async def _change(self, name: str, action: str, change, actor: str = "") -> DeploymentState:
+        """Run change(state) -> (new state, new spec or None) atomically; records history."""
+        key = keys.deployment(name)
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.hgetall(key)
+                    current = DeploymentState.from_hash(name, raw) if raw else None
+                    state, new_spec = await change(current)
+                    state.generation = (current.generation if current else 0) + 1
+                    state.updated_at = time.time()
+                    event = {"at": state.updated_at, "action": action, "actor": actor, "stable": state.stable,
+                             "canary": state.canary, "canary_weight": state.canary_weight,
+                             "generation": state.generation}
+                    pipe.multi()
+                    if new_spec is not None:
+                        event["revision"] = state.latest
+                        pipe.set(keys.deployment_revision(name, state.latest), new_spec.to_json())
+                    pipe.hset(key, mapping=state.to_hash())
+                    pipe.sadd(keys.DEPLOYMENTS, name)
+                    pipe.rpush(keys.deployment_history(name), json.dumps(event))
+                    pipe.ltrim(keys.deployment_history(name), -HISTORY_LIMIT, -1)
+                    await pipe.execute()
+                    return state
+                except WatchError:
+                    continue  # someone else changed it meanwhile: redo on the new state
+
+    async def apply(self, spec: DeploymentSpec, actor: str = "") -> DeploymentState:
+        """A new revision. The first one, or one with canary weight 0, takes all traffic; one
+        with a weight starts as the canary beside the stable revision."""
+        async def change(current: DeploymentState | None):
+            state = current or DeploymentState(spec.name)
+            state.latest += 1
+            if state.stable and spec.canary_weight:
+                state.canary, state.canary_weight = state.latest, spec.canary_weight
+            else:
+                state.stable, state.canary, state.canary_weight = state.latest, 0, 0
+                state.routing_policy = spec.routing_policy
+            return state, spec
+
+        return await self._change(spec.name, "apply", change, actor)
+
+    async def set_canary(self, name: str, weight: int, revision: int | None = None,
+                         actor: str = "") -> DeploymentState:
+        if not 0 <= weight <= 100:
+            raise DeploymentError(400, "weight must be a percentage from 0 to 100")
+
+        async def change(current: DeploymentState | None):
+            state = self._existing(name, current)
+            target = revision or state.canary
+            if not target:
+                raise DeploymentError(409, f"deployment {name} has no canary revision: deploy one first, or "
+                                           f"name one with --revision")
+            if not 1 <= target <= state.latest or target == state.stable:
+                raise DeploymentError(400, f"revision {target} is not a candidate canary of {name} "
+                                           f"(revisions 1-{state.latest}, stable {state.stable})")
+            state.canary, state.canary_weight = target, weight
+            return state, None
+
+        return await self._change(name, "canary", change, actor)
+
+    async def promote(self, name: str, actor: str = "") -> DeploymentState:
+        async def change(current: DeploymentState | None):
+            state = self._existing(name, current)
+            if not state.canary:
+                raise DeploymentError(409, f"deployment {name} has no canary to promote")
+            spec = await read_spec(self.redis, name, state.canary)
+            state.stable, state.canary, state.canary_weight = state.canary, 0, 0
+            state.routing_policy = spec.routing_policy if spec else state.routing_policy
+            return state, None
+
+        return await self._change(name, "promote", change, actor)
+
+    async def rollback(self, name: str, to: int | None = None, actor: str = "") -> DeploymentState:
+        """Without `to`: drop the canary if there is one, else go back to the previous stable
+        revision. With `to`: that revision takes all traffic."""
+        async def change(current: DeploymentState | None):
+            state = self._existing(name, current)
+            target = to
+            if target is None and state.canary:
+                state.canary, state.canary_weight = 0, 0
+                return state, None
+            if target is None:
+                target = await self._previous_stable(name, state.stable)
+                if target is None:
+                    raise DeploymentError(409, f"deployment {name} has no earlier revision to roll back to")
+            if not 1 <= target <= state.latest:
+                raise DeploymentError(404, f"deployment {name} has no revision {target} "
+                                           f"(revisions 1-{state.latest})", "not_found")
+            spec = await read_spec(self.redis, name, target)
+            state.stable, state.canary, state.canary_weight = target, 0, 0
+            state.routing_policy = spec.routing_policy if spec else state.routing_policy
+            return state, None
+
+        return await self._change(name, "rollback", change, actor)
+
+    async def _previous_stable(self, name: str, current: int) -> int | None:
+        """The stable revision before the current one took over."""
+        stables = [e["stable"] for e in await history(self.redis, name)]
+        # Walk back past the current stable's own entries to the one before it.
+        for rev in reversed(stables):
+            if rev and rev != current:
+                return rev
+        return None
+
+    async def delete(self, name: str) -> None:
+        state = await read_state(self.redis, name)
+        if state is None:
+            raise DeploymentError(404, f"deployment {name} does not exist", "not_found")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.deployment(name), keys.deployment_history(name))
+            for rev in range(1, state.latest + 1):
+                pipe.delete(keys.deployment_revision(name, rev))
+            pipe.srem(keys.DEPLOYMENTS, name)
+            await pipe.execute()
+
+    @staticmethod
+    def _existing(name: str, current: DeploymentState | None) -> DeploymentState:
+        if current is None or not current.stable:
+            raise DeploymentError(404, f"deployment {name} does not exist", "not_found")
+        return current

@@ -1,0 +1,210 @@
+"""The scaler: every tick, each deployment's signals go through its policy, and the actuator
+makes the replica counts true.
+
+Signals come from the bus: engine heartbeats (state, running, waiting, KV usage, recent TTFT)
+and the schedulers' queue stats. Bounds, SLOs and the canary split come from the deployment
+(control), picked up live. The desired count is split across the revisions being served by the
+canary weight (a canary with any weight gets at least one replica); revisions no longer served
+are scaled to zero, which drains them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from services.scaler.actuators import Actuator
+from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
+from shared import protocol
+from shared.bus import Bus
+from shared.deployments import Deployment, DeploymentWatcher
+from shared.logging import get_logger
+from shared.protocol import Heartbeat, ScalerDecision, SchedulerStats
+from shared.store import connect_redis
+
+log = get_logger()
+
+
+@dataclass
+class ScalerConfig:
+    nats_url: str
+    redis_url: str
+    scaler_id: str = "scaler"
+    interval: float = 1.0
+    stale_after: float = 5.0  # a heartbeat or scheduler report older than this is ignored
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+
+
+def policy_config(deployment: Deployment, cold_start_s: float) -> ScalingConfig:
+    spec = deployment.stable_spec
+    return ScalingConfig(min_replicas=spec.replicas.min, max_replicas=spec.replicas.max,
+                         target_concurrency=spec.scaling.target_concurrency, ttft_slo_s=spec.slo.ttft_ms / 1000,
+                         stable_window_s=spec.scaling.stable_window_s, panic_window_s=spec.scaling.panic_window_s,
+                         scale_down_delay_s=spec.scaling.scale_down_delay_s,
+                         scale_to_zero_after_s=spec.scaling.scale_to_zero_after_s, cold_start_s=cold_start_s)
+
+
+def split_by_revision(desired: int, serving: dict[int, int]) -> dict[int, int]:
+    """Replicas per revision for a traffic split (revision -> percent). A revision with any
+    traffic gets at least one replica while the deployment has any."""
+    if desired <= 0 or not serving:
+        return dict.fromkeys(serving, 0)
+    counts = {rev: max(1, math.floor(desired * pct / 100 + 0.5)) if pct else 0 for rev, pct in serving.items()}
+    stable = max(serving, key=lambda rev: serving[rev])
+    others = sum(n for rev, n in counts.items() if rev != stable)
+    counts[stable] = max(1, desired - others)
+    return counts
+
+
+class ScalerService:
+    def __init__(self, cfg: ScalerConfig, actuator: Actuator):
+        self.cfg = cfg
+        self.actuator = actuator
+        self.bus: Bus | None = None
+        self.redis = None
+        self.deployments: DeploymentWatcher | None = None
+        self.policies: dict[str, ScalerPolicy] = {}
+        self.cold_start_s: dict[str, float] = {}  # deployment -> measured (EWMA)
+        self.replicas: dict[str, tuple[float, Heartbeat]] = {}
+        self.queues: dict[str, tuple[float, SchedulerStats]] = {}
+        self.last: dict[str, ScalerDecision] = {}
+        self.registry = r = CollectorRegistry()
+        self.m_desired = Gauge("strata:scaler_desired_replicas", "Replicas the policy wants.",
+                               ["deployment", "revision"], registry=r)
+        self.m_ready = Gauge("strata:scaler_ready_replicas", "Replicas ready.", ["deployment"], registry=r)
+        self.m_panic = Gauge("strata:scaler_panic", "1 while the policy is in panic mode.", ["deployment"],
+                             registry=r)
+        self.m_changes = Counter("strata:scaler_scale_events", "Changes of the desired count.",
+                                 ["deployment", "direction"], registry=r)
+        self._task: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self.http_url = ""
+
+    async def start(self) -> None:
+        structlog.contextvars.bind_contextvars(scaler_id=self.cfg.scaler_id)
+        self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}")
+        self.redis = connect_redis(self.cfg.redis_url, f"scaler-{self.cfg.scaler_id}")
+        self.deployments = DeploymentWatcher(self.redis)
+        await self.deployments.start(self.bus)
+        await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
+        await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
+        self._task = asyncio.create_task(self._loop())
+        await self._start_http()
+        log.info("scaler ready", actuator=type(self.actuator).__name__, http=self.http_url)
+
+    async def _start_http(self) -> None:
+        async def metrics(_request):
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def health(_request):
+            ok = self.bus.nc.is_connected and self._task is not None and not self._task.done()
+            return web.json_response({"scaler_id": self.cfg.scaler_id, "ok": ok}, status=200 if ok else 503)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
+        await site.start()
+        self.http_url = f"http://{self.cfg.http_host}:{site._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        self.deployments.stop()
+        await self.actuator.close()  # local engines drain before the scaler goes
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.bus.close()
+        await self.redis.aclose()
+
+    async def _on_heartbeat(self, hb: Heartbeat, _raw) -> None:
+        first_ready = hb.state == "ready" and (
+            hb.replica_id not in self.replicas or self.replicas[hb.replica_id][1].state != "ready")
+        self.replicas[hb.replica_id] = (time.monotonic(), hb)
+        if first_ready:
+            cold = self.actuator.note_ready(hb.replica_id)
+            if cold is not None:
+                before = self.cold_start_s.get(hb.deployment)
+                self.cold_start_s[hb.deployment] = cold if before is None else 0.7 * before + 0.3 * cold
+                log.info("replica ready", replica_id=hb.replica_id, cold_start_s=round(cold, 2))
+
+    async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
+        self.queues[stats.scheduler_id] = (time.monotonic(), stats)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not stop scaling
+                log.exception("scaler tick failed")
+            await asyncio.sleep(self.cfg.interval)
+
+    def signals(self, name: str, now: float) -> tuple[Signals, list[Heartbeat]]:
+        live = [hb for seen, hb in self.replicas.values()
+                if hb.deployment == name and now - seen <= self.cfg.stale_after]
+        ready = [hb for hb in live if hb.state == "ready"]
+        fresh = [stats for seen, stats in self.queues.values() if now - seen <= self.cfg.stale_after]
+        ttfts = [hb.ttft_p90_s for hb in ready if hb.ttft_p90_s is not None]
+        return Signals(
+            now=now, ready=len(ready), starting=0, running=sum(hb.running for hb in ready),
+            waiting=sum(hb.waiting for hb in ready), queue_depth=sum(s.queue_depth.get(name, 0) for s in fresh),
+            oldest_wait_s=max((s.oldest_wait_s.get(name, 0.0) for s in fresh), default=0.0),
+            kv_usage=(sum(hb.kv_blocks_used / max(hb.kv_blocks_total, 1) for hb in ready) / len(ready)
+                      if ready else 0.0),
+            ttft_p90_s=max(ttfts) if ttfts else None), live
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        for name in list(self.policies):
+            if name not in self.deployments.deployments:  # deleted: its replicas drain away
+                del self.policies[name]
+                for rev in self.actuator.revisions(name):
+                    await self.actuator.scale(name, rev, None, 0, {})
+        for name, deployment in list(self.deployments.deployments.items()):
+            await self._scale_deployment(name, deployment, now)
+
+    async def _scale_deployment(self, name: str, deployment: Deployment, now: float) -> None:
+        config = policy_config(deployment, self.cold_start_s.get(name, 10.0))
+        policy = self.policies.get(name)
+        if policy is None:
+            policy = self.policies[name] = ScalerPolicy(config)
+        else:
+            policy.update_config(config)
+        signals, live = self.signals(name, now)
+        serving = deployment.state.serving()
+        ready_by_rev = {rev: sum(hb.state == "ready" and hb.revision == rev for hb in live)
+                        for rev in set(serving) | self.actuator.revisions(name)}
+        signals.starting = sum(self.actuator.starting(name, rev, n) for rev, n in ready_by_rev.items())
+        decision = policy.decide(signals)
+        counts = split_by_revision(decision.desired, serving)
+        for rev in self.actuator.revisions(name) - set(counts):
+            counts[rev] = 0  # no longer served: drain
+        loads = {hb.replica_id: hb.running + hb.waiting for hb in live}
+        for rev, n in sorted(counts.items()):
+            spec = deployment.specs.get(rev)
+            if spec is None and n:
+                continue
+            await self.actuator.scale(name, rev, spec, n, loads)
+            self.m_desired.labels(name, str(rev)).set(n)
+            msg = ScalerDecision(deployment=name, revision=rev, desired=n, ready=ready_by_rev.get(rev, 0),
+                                 starting=self.actuator.starting(name, rev, ready_by_rev.get(rev, 0)),
+                                 reason=decision.reason, panic=decision.panic, timestamp=time.time())
+            previous = self.last.get(f"{name}/{rev}")
+            if previous is None or previous.desired != n:
+                direction = "up" if previous is None or n > previous.desired else "down"
+                self.m_changes.labels(name, direction).inc()
+                log.info("scale", deployment=name, revision=rev, desired=n, ready=msg.ready, starting=msg.starting,
+                         reason=decision.reason, panic=decision.panic, queue=signals.queue_depth,
+                         running=signals.running)
+            self.last[f"{name}/{rev}"] = msg
+            await self.bus.publish(protocol.SCALER_STATUS, msg)
+        self.m_ready.labels(name).set(signals.ready)
+        self.m_panic.labels(name).set(int(decision.panic))
