@@ -435,13 +435,14 @@ class ChunkSink:
     def _observe(self, out: RequestOutput | None, error: str | None, stamps: dict | None = None) -> None:
         """The finished request's spans and its one log line."""
         stamps = stamps or self._stamps(out)
-        fields = {"finish_reason": out.outputs[0].finish_reason if out else None, "error": error}
-        attributes = {}
+        fields = {"finish_reason": out.outputs[0].finish_reason if out else None, "error": error,
+                  "revision": self.worker.cfg.revision}
+        attributes = {"strata.revision": self.worker.cfg.revision}
         if out is not None:
-            attributes = {telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(out.prompt_token_ids),
-                          telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: len(out.outputs[0].token_ids),
-                          telemetry.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: out.num_cached_tokens,
-                          telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [error or out.outputs[0].finish_reason or ""]}
+            attributes |= {telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(out.prompt_token_ids),
+                           telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: len(out.outputs[0].token_ids),
+                           telemetry.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: out.num_cached_tokens,
+                           telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [error or out.outputs[0].finish_reason or ""]}
             fields.update(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.outputs[0].token_ids),
                           cached_tokens=out.num_cached_tokens,
                           **{f"{k}_ms": round(v * 1e3, 3) for k, v in out.metrics.timings().items()})

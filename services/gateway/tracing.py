@@ -99,6 +99,8 @@ def annotate_response(response_id: str, model: str, final: TokenChunk, ttft: flo
                   telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [final.finish_reason or ""],
                   telemetry.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: ttft,
                   "strata.replica_id": final.replica_id or ""}
+    if final.revision is not None:
+        attributes["strata.revision"] = final.revision
     if final.usage is not None:
         attributes.update({telemetry.GEN_AI_USAGE_INPUT_TOKENS: final.usage.prompt_tokens,
                            telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: final.usage.completion_tokens,

@@ -375,7 +375,7 @@ class SchedulerService:
                     log.warning("prefix index unavailable", error=str(exc))
             ranked = self.router.rank(policy, candidates, len(hashes), overlaps)
             decision = ranked[0]
-            self.spans.decided(req, ranked, attempt)
+            self.spans.decided(req, ranked, attempt, revision)
             choice = decision.replica
             tried.add(choice.replica_id)
             choice.inflight += 1
@@ -389,7 +389,7 @@ class SchedulerService:
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                     self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
                 log.info("routed", request_id=req.request_id, replica_id=choice.replica_id, policy=policy,
-                         attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
+                         revision=revision, attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
                          queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
                 return

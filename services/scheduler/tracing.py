@@ -48,7 +48,7 @@ class RoutingSpans:
         span.set_attribute("strata.routing.queue_wait_s", end - start)
         telemetry.record_span("admission wait", start, end, telemetry.child_context(span))
 
-    def decided(self, req: GenerateRequest, ranked: list[Decision], attempt: int) -> None:
+    def decided(self, req: GenerateRequest, ranked: list[Decision], attempt: int, revision: int) -> None:
         span = self._spans.get(req.request_id)
         if span is None or not span.is_recording() or not ranked:
             return
@@ -56,6 +56,7 @@ class RoutingSpans:
         span.set_attributes({
             "strata.routing.policy": chosen.policy,
             "strata.routing.attempt": attempt,
+            "strata.routing.revision": revision,  # 0: a replica not managed by control
             "strata.routing.candidates": [d.replica.replica_id for d in ranked],
             "strata.routing.candidate_loads": [d.replica.load for d in ranked],
             "strata.routing.candidate_cached_blocks": [d.cached_blocks for d in ranked],
