@@ -63,7 +63,8 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
                 entry = await redis.hgetall(keys.replica(replica))
                 if entry:
                     engines[replica] = {k.decode(): v.decode() for k, v in entry.items()}
-        services = {kind: await registry.services(redis, kind) for kind in ("gateway", "scheduler", "scaler", "control")}
+        services = {kind: await registry.services(redis, kind)
+                    for kind in ("gateway", "scheduler", "scaler", "control")}
         settings = {}
         for name in await deployments.list_names(redis):
             d = await deployments.load(redis, name)
