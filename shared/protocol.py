@@ -33,6 +33,7 @@ LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept 
 LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
+GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 
 
 def _token(name: str) -> str:
@@ -75,6 +76,10 @@ def scheduler_stats(scheduler_id: str) -> str:
 def logs(service: str, instance: str) -> str:
     """One service instance's log lines; `logs(service, "*")` matches every instance."""
     return f"{PREFIX}.logs.{_token(service)}.{instance if instance == '*' else _token(instance)}"
+
+
+def gateway_stats(gateway_id: str) -> str:
+    return f"{PREFIX}.gateway.{_token(gateway_id)}.stats"
 
 
 # ---- Headers --------------------------------------------------------------------------------
@@ -495,3 +500,17 @@ class ScalerDecision(Message):
     reason: str = ""
     panic: bool = False
     timestamp: float = 0.0
+
+
+@dataclass
+class GatewayStats(Message):
+    """A gateway's requests since its previous report (every couple of seconds), with where
+    their time went by layer: control's dashboard and `strata diagnose` read it."""
+
+    gateway_id: str
+    http_url: str = ""  # its /metrics and /health
+    timestamp: float = 0.0
+    interval_s: float = 0.0
+    completed: dict[str, int] = field(default_factory=dict)  # model -> requests completed
+    failed: dict[str, int] = field(default_factory=dict)  # model -> requests that ended in an error
+    layer_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> layer -> sum

@@ -37,3 +37,17 @@ def infra():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def managed_stack(infra, tiny_model_dir, tmp_path_factory):
+    """A local stack with control and the scaler (local actuator): deployments applied through
+    control get their engines from the scaler. Shared by the control and scaler tests."""
+    from shared.localstack import LocalStack
+
+    s = LocalStack(str(tiny_model_dir), engines=0, nats_url=infra.nats_url, redis_url=infra.redis_url,
+                   control=True, scaler=True, scaler_args=["--engine-arg=--threads=1"],
+                   log_dir=tmp_path_factory.mktemp("managed-stack-logs"))
+    s.start()
+    yield s
+    s.stop()

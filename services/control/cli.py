@@ -316,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_keys_create)
     _add_observability_commands(sub)
 
+    sub.add_parser("simulate", add_help=False,
+                   help="simulate a fleet under the scaler's policy: strata simulate TRACE [options]; "
+                        "`strata simulate --help` lists them")
+
     p = sub.add_parser("deploy", help="apply a deployment spec (YAML or JSON; - for stdin): a new revision")
     p.add_argument("file")
     _control_args(p)
@@ -351,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # the simulator owns its flags (services.scaler.simulator)
+        from services.scaler import simulator
+
+        return simulator.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

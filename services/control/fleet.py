@@ -9,9 +9,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.protocol import Heartbeat, SchedulerStats, ScalerDecision
+from shared.protocol import GatewayStats, Heartbeat, SchedulerStats, ScalerDecision
 
 HISTORY_POINTS = 300  # samples kept per deployment (10 minutes at one every 2 s)
+# Which layer owns each part of a request's time (the gateway's strata timings). Control, the
+# tooling layer, is off the request path: its share is what deploys and config cost, not time.
+LAYERS = {"runtime": ("engine_queue", "engine_prefill", "engine_decode"),
+          "infrastructure": ("gateway", "admission_wait", "routing", "bus"),
+          "tooling": ()}
 
 
 @dataclass
@@ -26,6 +31,8 @@ class Sample:
     running: int
     error_rate: float  # failed / finished, over the last interval
     by_revision: dict[int, dict[str, float]] = field(default_factory=dict)
+    layer_totals: dict[str, float] = field(default_factory=dict)  # part -> seconds, over `completed`
+    completed: int = 0  # requests the gateways completed in the interval
 
 
 class FleetView:
@@ -34,6 +41,9 @@ class FleetView:
         self.replicas: dict[str, tuple[float, Heartbeat]] = {}  # replica id -> (seen, last heartbeat)
         self.schedulers: dict[str, tuple[float, SchedulerStats]] = {}
         self.scaler: dict[tuple[str, int], ScalerDecision] = {}
+        self.gateways: dict[str, tuple[float, str]] = {}  # gateway id -> (seen, http url)
+        self._layers: dict[str, dict[str, float]] = {}  # model -> part -> seconds, since the last sample
+        self._completed: dict[str, int] = {}
         self.history: dict[str, deque[Sample]] = {}
         self._last_counts: dict[str, tuple[int, int]] = {}  # replica id -> (finished, failed) at last sample
         self._last_sample_at: float | None = None
@@ -43,6 +53,15 @@ class FleetView:
 
     def on_scheduler_stats(self, stats: SchedulerStats, now: float | None = None) -> None:
         self.schedulers[stats.scheduler_id] = (time.monotonic() if now is None else now, stats)
+
+    def on_gateway_stats(self, stats: GatewayStats, now: float | None = None) -> None:
+        self.gateways[stats.gateway_id] = (time.monotonic() if now is None else now, stats.http_url)
+        for model, layers in stats.layer_seconds.items():
+            acc = self._layers.setdefault(model, {})
+            for part, seconds in layers.items():
+                acc[part] = acc.get(part, 0.0) + seconds
+        for model, n in stats.completed.items():
+            self._completed[model] = self._completed.get(model, 0) + n
 
     def on_scaler_decision(self, decision: ScalerDecision) -> None:
         self.scaler[(decision.deployment, decision.revision)] = decision
@@ -94,7 +113,22 @@ class FleetView:
                 tokens_per_s=sum(hb.tokens_per_s for hb in live), ttft_p90_s=max(ttfts) if ttfts else None,
                 itl_p50_s=sum(itls) / len(itls) if itls else None, queue_depth=depth,
                 ready=sum(hb.state == "ready" for hb in live), running=sum(hb.running for hb in live),
-                error_rate=failed / finished if finished else 0.0, by_revision=by_revision))
+                error_rate=failed / finished if finished else 0.0, by_revision=by_revision,
+                layer_totals=self._layers.pop(name, {}), completed=self._completed.pop(name, 0)))
+
+    def layers(self, deployment: str, points: int = 30) -> dict:
+        """Mean seconds per request in each layer and part, over the last `points` samples."""
+        recent = list(self.history.get(deployment, ()))[-points:]
+        count = sum(s.completed for s in recent)
+        totals: dict[str, float] = {}
+        for sample in recent:
+            for part, seconds in sample.layer_totals.items():
+                totals[part] = totals.get(part, 0.0) + seconds
+        out = {"requests": count, "e2e_s": totals.get("e2e", 0.0) / count if count else None}
+        for layer, parts in LAYERS.items():
+            per_part = {p: totals.get(p, 0.0) / count if count else 0.0 for p in parts}
+            out[layer] = {"seconds": sum(per_part.values()), "parts": per_part}
+        return out
 
     def status(self, deployment: str, now: float | None = None) -> dict:
         """Replicas with their state and load, the queue, and the latest figures."""
@@ -123,5 +157,6 @@ class FleetView:
     def series(self, deployment: str) -> list[dict]:
         return [{"at": s.at, "request_rate": round(s.request_rate, 3), "tokens_per_s": round(s.tokens_per_s, 1),
                  "ttft_p90_s": s.ttft_p90_s, "itl_p50_s": s.itl_p50_s, "queue_depth": s.queue_depth,
-                 "ready": s.ready, "running": s.running, "error_rate": round(s.error_rate, 4)}
+                 "ready": s.ready, "running": s.running, "error_rate": round(s.error_rate, 4),
+                 "by_revision": s.by_revision}
                 for s in self.history.get(deployment, ())]

@@ -26,7 +26,7 @@ from services.gateway.openai_api import ApiError, error_response
 from shared import deployments, protocol
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import DeploymentChanged, Heartbeat, ScalerDecision, SchedulerStats
+from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
 from shared.store import connect_redis
 
 log = get_logger()
@@ -67,6 +67,7 @@ class ControlService:
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
+        await self.bus.subscribe(protocol.GATEWAY_STATS_ALL, GatewayStats, self._on_gateway_stats)
         self._sampler = asyncio.create_task(self._sample_loop())
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
@@ -90,6 +91,9 @@ class ControlService:
 
     async def _on_scaler_decision(self, decision: ScalerDecision, _raw) -> None:
         self.fleet.on_scaler_decision(decision)
+
+    async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
+        self.fleet.on_gateway_stats(stats)
 
     async def _sample_loop(self) -> None:
         while True:
@@ -295,5 +299,5 @@ class ControlService:
             state = await deployments.read_state(self.redis, name)
             out.append({"name": name, "deployment": asdict(state) if state else None,
                         "serving": state.serving() if state else {}, **self.fleet.status(name),
-                        "series": self.fleet.series(name)})
+                        "series": self.fleet.series(name), "layers": self.fleet.layers(name)})
         return web.json_response({"at": time.time(), "deployments": out})

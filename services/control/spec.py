@@ -152,6 +152,9 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     scaling = _section(data.get("scaling"), Scaling, "scaling", errors)
     if scaling.target_concurrency <= 0:
         errors.append(("scaling.target_concurrency", "must be positive"))
+    elif scaling.panic_window_s > scaling.stable_window_s:
+        errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
+                                                 f"stable_window_s ({scaling.stable_window_s:g})"))
 
     routing = data.get("routing", {"policy": "kv_aware"})
     if not isinstance(routing, dict) or set(routing) - {"policy"}:

@@ -33,8 +33,8 @@ from shared.deployments import Deployment, DeploymentWatcher
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, SchedulerStats,
-                             TokenChunk)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest,
+                             SchedulerStats, TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -118,6 +118,8 @@ class GatewayService:
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self._report = GatewayStats(gateway_id=cfg.gateway_id)  # accumulates until published
+        self._report_started = time.monotonic()
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,6 +137,7 @@ class GatewayService:
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
+        self._reporter = asyncio.create_task(self._report_loop())
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -149,6 +152,7 @@ class GatewayService:
         self._watchdog.cancel()
         for task in self._observers:
             task.cancel()
+        self._reporter.cancel()
         self.deployments.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -228,6 +232,28 @@ class GatewayService:
                         self._spawn_cancel(rid)
                         queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
                             code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
+
+    def _account(self, model: str, timings: dict[str, float] | None) -> None:
+        """Count a finished request (timings) or a failed one (None) in the next report."""
+        if timings is None:
+            self._report.failed[model] = self._report.failed.get(model, 0) + 1
+            return
+        self._report.completed[model] = self._report.completed.get(model, 0) + 1
+        layers = self._report.layer_seconds.setdefault(model, {})
+        for layer, seconds in timings.items():
+            layers[layer] = layers.get(layer, 0.0) + seconds
+
+    async def _report_loop(self, interval: float = 2.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            report, self._report = self._report, GatewayStats(gateway_id=self.cfg.gateway_id)
+            now = time.monotonic()
+            report.http_url, report.timestamp = self.url, time.time()
+            report.interval_s, self._report_started = now - self._report_started, now
+            try:
+                await self.bus.publish(protocol.gateway_stats(self.cfg.gateway_id), report)
+            except Exception as exc:
+                log.warning("stats publish failed", error=str(exc))
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
@@ -381,6 +407,7 @@ class GatewayService:
             self._held_by.pop(rid, None)
             if first.error is not None:
                 finished = first.replica_id is not None  # from the engine itself: nothing runs on
+                self._account(model.name, None)
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
             times = (arrival, first_at)
@@ -457,6 +484,7 @@ class GatewayService:
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
+                self._account(model.name, None)
                 raise oa.from_engine_error(chunk.error.code, chunk.error.message)
             chunks.append(chunk)
         final = chunks[-1]
@@ -478,11 +506,12 @@ class GatewayService:
     def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
                   first_at: float) -> dict:
         """The strata extension of a finished request; its layer timings also go to the layer
-        histogram, the request's span and its log line."""
+        histogram, the next GatewayStats report, the request's span and its log line."""
         extension = oa.strata_extension(final, time.time())
         timings = extension["timings"]
         for name in LAYER_NAMES:
             self.metrics.layers.labels(model.name, name, COMPONENT[name]).observe(timings[name])
+        self._account(model.name, timings)
         tracing.annotate_response(response_id, model.name, final, first_at - gen.timestamps["gateway_received"],
                                   timings)
         return extension
@@ -505,6 +534,7 @@ class GatewayService:
                         **usage_null})
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:  # after the first byte: in band, and the stream ends
+                self._account(model.name, None)
                 await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
                 await response.write_eof()
                 return response

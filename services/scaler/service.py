@@ -169,7 +169,10 @@ class ScalerService:
                 for rev in self.actuator.revisions(name):
                     await self.actuator.scale(name, rev, None, 0, {})
         for name, deployment in list(self.deployments.deployments.items()):
-            await self._scale_deployment(name, deployment, now)
+            try:
+                await self._scale_deployment(name, deployment, now)
+            except Exception:  # one deployment's trouble must not stop the others scaling
+                log.exception("scaling failed", deployment=name)
 
     async def _scale_deployment(self, name: str, deployment: Deployment, now: float) -> None:
         config = policy_config(deployment, self.cold_start_s.get(name, 10.0))

@@ -42,6 +42,7 @@ from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from heapq import heappop, heappush, nsmallest
 from pathlib import Path
 
@@ -68,6 +69,15 @@ class ReplicaModel:
     kv_capacity_tokens: int = 131072
     block_size: int = 16
     cold_start_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "max_num_seqs", "kv_capacity_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(f"kv_capacity_tokens must hold at least one block of {self.block_size} tokens")
+        if self.cold_start_s < 0:
+            raise ValueError(f"cold_start_s must not be negative, got {self.cold_start_s!r}")
 
     def service_s(self, prompt_tokens, output_tokens):
         """Time a request takes on an idle replica (scalars or numpy arrays)."""
@@ -101,7 +111,7 @@ class ScheduleScaler:
         self.reason = reason
 
     def decide(self, s: Signals) -> ScaleDecision:
-        b = min(int(round(s.now / self.tick_s)), len(self.counts) - 1)
+        b = min(round(s.now / self.tick_s), len(self.counts) - 1)
         return ScaleDecision(int(self.counts[b]), self.reason)
 
 
@@ -119,6 +129,8 @@ class FleetSim:
 
     def __init__(self, trace: traces.Trace, model: ReplicaModel, scaler, *, slo_ttft_s: float = 2.0,
                  tick_s: float = 2.0, initial_replicas: int = 1, route_choices: int = 2, seed: int = 0):
+        if tick_s <= 0 or route_choices < 1:
+            raise ValueError(f"tick_s must be positive and route_choices at least 1 (got {tick_s}, {route_choices})")
         self.trace, self.model, self.scaler = trace, model, scaler
         self.slo_ttft_s, self.tick_s, self.route_choices = slo_ttft_s, tick_s, route_choices
         self.router = Router(seed=seed)
@@ -204,7 +216,7 @@ class FleetSim:
         blocks = self.blocks[req]
         rep.kv_blocks_used += blocks
         self.kv_used_total += blocks
-        start = rep.prefill_free_at if rep.prefill_free_at > now else now
+        start = max(now, rep.prefill_free_at)
         first_token = start + self.prefill_s[req]
         rep.prefill_free_at = first_token
         self.wait[req] = now - self.arrival[req]
@@ -289,8 +301,8 @@ class FleetSim:
             rep.state = STOPPED
             rep.stopped_at = self.now
             excess -= 1
-        if excess > 0:  # drain the least loaded: they finish soonest
-            for rep in nsmallest(excess, self.ready, key=lambda r: (r.running + r.waiting, r.prefill_free_at)):
+        if excess > 0:  # drain the least loaded: they finish soonest (ids break ties: reproducible)
+            for rep in nsmallest(excess, self.ready, key=_drain_order):
                 self.ready.discard(rep)
                 rep.state = DRAINING
                 if rep.running or rep.engine_queue:
@@ -346,6 +358,10 @@ class FleetSim:
         return SimResult("", metrics, tl, ttft, self.trace.arrival_s)
 
 
+def _drain_order(r: SimReplica) -> tuple:
+    return r.running + r.waiting, r.prefill_free_at, r.replica_id
+
+
 def _flat(typecode: str, values: np.ndarray) -> array:
     return array(typecode, np.ascontiguousarray(values, dtype=np.float64 if typecode == "d" else np.int64).tobytes())
 
@@ -366,7 +382,7 @@ def ideal_concurrency(trace: traces.Trace, model: ReplicaModel, bin_s: float) ->
     steps = np.concatenate([np.ones(len(ends), np.int64), -np.ones(len(ends), np.int64)])
     order = np.argsort(times, kind="stable")
     times, level = times[order], np.cumsum(steps[order])
-    n_bins = int(math.ceil(max(trace.duration_s, times[-1] if len(times) else 0.0) / bin_s)) + 1
+    n_bins = math.ceil(max(trace.duration_s, times[-1] if len(times) else 0.0) / bin_s) + 1
     peak = np.zeros(n_bins, np.int64)
     if len(times):
         np.maximum.at(peak, (times / bin_s).astype(np.int64), level)
@@ -379,7 +395,7 @@ def oracle_counts(load: np.ndarray, cfg: ScalingConfig, cold_start_s: float, tic
     """Replicas per tick for the oracle: at tick b, the most the load needs until a replica
     started at the next tick could be ready (what is needed then must be started now)."""
     need = np.ceil(load / cfg.target_concurrency).astype(np.int64)
-    ahead = int(math.ceil((cold_start_s + tick_s) / tick_s)) + 1
+    ahead = math.ceil((cold_start_s + tick_s) / tick_s) + 1
     padded = np.concatenate([need, np.full(ahead - 1, need[-1] if len(need) else 0)])
     counts = np.lib.stride_tricks.sliding_window_view(padded, ahead).max(axis=1)
     return np.clip(counts, cfg.min_replicas, cfg.max_replicas)
@@ -401,11 +417,13 @@ class Experiment:
     route_choices: int = 2
     seed: int = 0
 
+    @cached_property
     def load(self) -> np.ndarray:
+        """Requests in flight per tick if each were served at once (computed once per trace)."""
         return ideal_concurrency(self.trace, self.model, self.tick_s)
 
     def run(self, scenario: str) -> SimResult:
-        load = self.load()
+        load = self.load
         oracle = oracle_counts(load, self.scaling, self.model.cold_start_s, self.tick_s)
         if scenario == "policy":
             scaler = ScalerPolicy(self.scaling)
@@ -459,7 +477,7 @@ def summary(experiment: Experiment, results: dict[str, SimResult], load: np.ndar
     if "policy" in results and "oracle" in results:
         out["policy_vs_oracle_replica_hours"] = (results["policy"].metrics["replica_hours"]
                                                  / max(results["oracle"].metrics["replica_hours"], 1e-9))
-    step = max(1, int(round(60 / experiment.tick_s)))
+    step = max(1, round(60 / experiment.tick_s))
     ticks = int(experiment.trace.duration_s // experiment.tick_s) + 1  # every run ticks this long
     out["timeline_per_minute"] = {
         "t": [float(t) for t in np.arange(0, ticks, step) * experiment.tick_s],
@@ -486,6 +504,7 @@ def table(report: dict) -> str:
     row("replica-hours", lambda m: f"{m['replica_hours']:,.0f}")
     row("peak replicas", lambda m: f"{m['peak_replicas']}")
     row("mean replicas", lambda m: f"{m['mean_replicas']:.1f}")
+    row("replica starts", lambda m: f"{m['replicas_started']:,}")
     for q in ("p50", "p90", "p99"):
         row(f"queue wait {q}", lambda m, q=q: f"{m['queue_wait_s'][q]:.2f}s")
     for q in ("p50", "p99"):
@@ -526,7 +545,7 @@ def plot(experiment: Experiment, results: dict[str, SimResult], load: np.ndarray
                   f"{experiment.slo_ttft_s:g}s, cold start {experiment.model.cold_start_s:g}s")
     top.legend(loc="upper left", fontsize=8)
     bin_s = 600.0
-    n_bins = int(math.ceil(experiment.trace.duration_s / bin_s))
+    n_bins = math.ceil(experiment.trace.duration_s / bin_s)
     for name, r in results.items():
         idx = np.minimum((r.arrival_s / bin_s).astype(np.int64), n_bins - 1)
         total = np.bincount(idx, minlength=n_bins)
@@ -552,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "prompt_tokens, output_tokens)")
     p.add_argument("--replicas-max", type=int, default=1000, help="the scaler's upper bound")
     p.add_argument("--replicas-min", type=int, default=1, help="the scaler's lower bound")
-    p.add_argument("--duration", type=float, default=traces.DAY_S, help="seconds of traffic (default a day)")
+    p.add_argument("--duration", type=float, help="seconds of traffic (default: a day for a generated trace, "
+                                                  "all of a trace file)")
     p.add_argument("--peak-load", type=float, default=0.9,
                    help="synthetic traces peak at this fraction of --replicas-max replicas' worth of load")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds")
@@ -576,6 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def experiment_from_args(args: argparse.Namespace) -> Experiment:
+    """The experiment the command line describes (ValueError on a bad option, naming it)."""
+    if args.tick <= 0:
+        raise ValueError(f"--tick must be positive, got {args.tick}")
+    if args.route_choices < 1:
+        raise ValueError(f"--route-choices must be at least 1, got {args.route_choices}")
     model = ReplicaModel(prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
                          max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_tokens,
                          cold_start_s=args.cold_start)
@@ -585,7 +610,7 @@ def experiment_from_args(args: argparse.Namespace) -> Experiment:
     if args.trace in traces.GENERATORS:
         sizes = traces.RequestSizes()
         peak_rate = args.peak_load * args.replicas_max * model.requests_per_s(sizes, args.target_concurrency)
-        trace = traces.generate(args.trace, peak_rate, args.duration, args.seed, sizes)
+        trace = traces.generate(args.trace, peak_rate, args.duration or traces.DAY_S, args.seed, sizes)
     else:
         trace = traces.load(args.trace, args.duration)
     return Experiment(trace, model, scaling, slo_ttft_s=args.slo_ttft, tick_s=args.tick,
@@ -605,9 +630,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"strata simulate: {exc}", file=sys.stderr)
         return 2
-    load = experiment.load()
+    load = experiment.load
     results = run_all(experiment, scenarios, args.jobs)
-    report = summary(experiment, results, load, time.perf_counter() - wall)
+    command = " ".join(["strata simulate", *(sys.argv[1:] if argv is None else argv)])
+    report = {"command": command, **summary(experiment, results, load, time.perf_counter() - wall)}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

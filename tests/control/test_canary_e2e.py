@@ -1,0 +1,127 @@
+"""Deploy, canary, roll back: traffic splits as asked and no request fails at any step."""
+
+import concurrent.futures
+import threading
+import time
+
+import pytest
+from openai import OpenAI
+
+from services.control.client import ControlError
+
+pytestmark = pytest.mark.slow
+
+
+def spec(model_dir, **extra):
+    return {"name": "canary-demo", "model": str(model_dir), "aliases": ["canary-alias"],
+            "replicas": {"min": 1, "max": 1}, "engine": {"max_num_seqs": 16}, **extra}
+
+
+class Traffic:
+    """Requests in a loop from a few threads, recording which revision served each."""
+
+    def __init__(self, client: OpenAI, model: str, threads: int = 4):
+        self.client, self.model = client, model
+        self.served: list[int | None] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self._futures = [self._pool.submit(self._run) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.one()
+
+    def one(self) -> int | None:
+        try:
+            r = self.client.completions.create(model=self.model, prompt="The canary says", max_tokens=2,
+                                               timeout=30)
+            revision = r.model_extra["strata"]["revision"]
+            self.served.append(revision)
+            return revision
+        except Exception as exc:  # recorded: the test asserts there were none
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+            return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        for f in self._futures:
+            f.result(timeout=60)
+        self._pool.shutdown()
+
+
+def test_deploy_canary_rollback_without_failures(managed_stack, tiny_model_dir):
+    stack, control = managed_stack, managed_stack.client
+    r1 = stack.deploy(spec(tiny_model_dir))
+    assert r1["revision"] == 1
+    stack.wait_replicas("canary-demo", 1, revision=1)
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+    deadline = time.monotonic() + 20  # the gateway learns the new name from control's announcement
+    while time.monotonic() < deadline and "canary-alias" not in [m.id for m in client.models.list()]:
+        time.sleep(0.2)
+
+    traffic = Traffic(client, "canary-alias")  # through the alias, all along
+    try:
+        time.sleep(2)
+        r2 = stack.deploy(spec(tiny_model_dir, canary={"weight": 20}, engine={"max_num_seqs": 12}))
+        assert r2["revision"] == 2 and r2["deployment"]["canary"] == 2
+        stack.wait_replicas("canary-demo", 1, revision=2)
+
+        start = len(traffic.served)
+        deadline = time.monotonic() + 120
+        while len(traffic.served) - start < 300 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        window = traffic.served[start:start + 300]
+        assert len(window) == 300, f"only {len(window)} requests in 120 s"
+        share = window.count(2) / len(window)
+        # Binomial(300, 0.2): three standard deviations are 6.9 points.
+        assert 0.13 <= share <= 0.27, f"canary share {share:.2%}"
+        assert set(window) <= {1, 2}
+
+        status = control.status("canary-demo")
+        assert status["serving"] == {"1": 80, "2": 20}
+        assert {r["revision"] for r in status["replicas"]} >= {1, 2}
+
+        rolled = control.rollback("canary-demo")
+        assert rolled["serving"] == {"1": 100}
+        time.sleep(1.0)  # announcement in flight: requests already routed may still land on r2
+        after = len(traffic.served)
+        deadline = time.monotonic() + 30
+        while len(traffic.served) - after < 50 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(traffic.served[after:]) == {1}, "rolled back, yet revision 2 still served"
+    finally:
+        traffic.stop()
+    assert traffic.failures == [], traffic.failures[:5]
+
+    events = control.history("canary-demo")["events"]
+    assert [e["action"] for e in events] == ["apply", "apply", "rollback"]
+    with pytest.raises(ControlError) as info:
+        control.promote("canary-demo")  # nothing to promote after the rollback
+    assert info.value.status == 409
+    control.delete("canary-demo")
+
+
+def test_bad_spec_is_refused_over_http_and_nothing_is_stored(managed_stack):
+    control = managed_stack.client
+    with pytest.raises(ControlError) as info:
+        control.deploy("name: broken\nmodel: /nowhere\nreplicas: {min: 3, max: 1}\n")
+    assert info.value.status == 400
+    fields = {e["field"] for e in info.value.body["error"]["errors"]}
+    assert fields == {"model", "replicas"}
+    assert "broken" not in [d["name"] for d in control.deployments()["deployments"]]
+    with pytest.raises(ControlError) as info:
+        control.status("broken")
+    assert info.value.status == 404
+
+
+def test_control_api_requires_an_admin_key(managed_stack):
+    from services.control.client import ControlClient
+
+    with pytest.raises(ControlError) as info:
+        ControlClient(managed_stack.control_url, "sk-strata-not-a-key").deployments()
+    assert info.value.status == 401 and info.value.body["error"]["type"] == "authentication_error"
+    tenant_key = managed_stack.client.create_key("tenant-a")["api_key"]
+    with pytest.raises(ControlError) as info:
+        ControlClient(managed_stack.control_url, tenant_key).deployments()
+    assert info.value.status == 403
