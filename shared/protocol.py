@@ -29,6 +29,8 @@ CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
+LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept a while by JetStream
+LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
@@ -69,6 +71,11 @@ def kv_events(model: str, replica_id: str) -> str:
 
 def scheduler_stats(scheduler_id: str) -> str:
     return f"{PREFIX}.scheduler.{_token(scheduler_id)}.stats"
+
+
+def logs(service: str, instance: str) -> str:
+    """One service instance's log lines; `logs(service, "*")` matches every instance."""
+    return f"{PREFIX}.logs.{_token(service)}.{instance if instance == '*' else _token(instance)}"
 
 
 def gateway_stats(gateway_id: str) -> str:
@@ -454,6 +461,18 @@ class SchedulerStats(Message):
     oldest_wait_s: dict[str, float] = field(default_factory=dict)  # model -> longest wait so far
     timestamp: float = 0.0
     http_url: str = ""  # its /metrics and /health
+
+
+@dataclass
+class LogLine(Message):
+    """One structured log line of a service, as its JSON log line has it."""
+
+    service: str  # gateway | scheduler | engine | ...
+    instance: str  # gateway id, scheduler id, replica id
+    level: str
+    event: str
+    timestamp: str  # ISO 8601, UTC
+    fields: dict[str, Any] = field(default_factory=dict)  # the rest: request_id, replica_id, error, ...
 
 
 @dataclass
