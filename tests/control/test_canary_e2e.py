@@ -52,6 +52,13 @@ class Traffic:
 
 def test_deploy_canary_rollback_without_failures(managed_stack, tiny_model_dir):
     stack, control = managed_stack, managed_stack.client
+    try:
+        check_canary_and_rollback(stack, control, tiny_model_dir)
+    finally:  # the stack is shared: leave no deployment (and no engines) behind
+        control.delete("canary-demo")
+
+
+def check_canary_and_rollback(stack, control, tiny_model_dir):
     r1 = stack.deploy(spec(tiny_model_dir))
     assert r1["revision"] == 1
     stack.wait_replicas("canary-demo", 1, revision=1)
@@ -99,7 +106,6 @@ def test_deploy_canary_rollback_without_failures(managed_stack, tiny_model_dir):
     with pytest.raises(ControlError) as info:
         control.promote("canary-demo")  # nothing to promote after the rollback
     assert info.value.status == 409
-    control.delete("canary-demo")
 
 
 def test_bad_spec_is_refused_over_http_and_nothing_is_stored(managed_stack):
