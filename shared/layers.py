@@ -60,8 +60,6 @@ LAYERS = (
 )
 LAYER_NAMES = tuple(layer.name for layer in LAYERS)
 COMPONENT = {layer.name: layer.component for layer in LAYERS}
-# Layers before the first token (the final chunk's transit and response assembly excepted).
-TTFT_LAYERS = ("gateway", "admission_wait", "routing", "bus", "engine_queue", "engine_prefill")
 
 
 def complete(timestamps: dict[str, float]) -> dict[str, float]:

@@ -78,6 +78,12 @@ def logs(service: str, instance: str) -> str:
     return f"{PREFIX}.logs.{_token(service)}.{instance if instance == '*' else _token(instance)}"
 
 
+def accepted(reply_to: str) -> str:
+    """engine -> caller, beside the stream: a GenerateAck once an engine has taken the request
+    (so a caller knows no scheduler holds it any more)."""
+    return f"{reply_to}.accepted"
+
+
 def gateway_stats(gateway_id: str) -> str:
     return f"{PREFIX}.gateway.{_token(gateway_id)}.stats"
 

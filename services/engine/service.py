@@ -200,9 +200,10 @@ class EngineWorker:
         self._tenants[req.request_id] = req.tenant
         self._accepted_total += 1
         sink.start_deadline()
+        ack = GenerateAck(req.request_id, self.cfg.replica_id, True, accepted_seq=self._accepted_total)
         if raw.reply:
-            await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.replica_id, True,
-                                                          accepted_seq=self._accepted_total))
+            await self.bus.publish(raw.reply, ack)
+        await self.bus.publish(protocol.accepted(req.reply_to), ack)
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the

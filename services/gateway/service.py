@@ -111,7 +111,8 @@ class GatewayService:
         self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
         self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
         self._schedulers_seen: dict[str, float] = {}
-        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
+        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until an engine takes it
+        self._at_engine: set[str] = set()  # requests an engine took (before their scheduler's ack, at times)
         self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
         self._completion_tokens: dict[str, int] = {}  # request id -> tokens streamed so far
         self._background: set[asyncio.Task] = set()
@@ -135,6 +136,7 @@ class GatewayService:
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
         await self.deployments.start(self.bus)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
+        await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
         self._reporter = asyncio.create_task(self._report_loop())
@@ -207,6 +209,13 @@ class GatewayService:
         if chunk.is_final and chunk.timestamps is not None:
             chunk.timestamps["gateway_final_received"] = time.time()
         queue.put_nowait(chunk)
+
+    async def _on_accepted(self, msg) -> None:
+        """An engine took the request: its scheduler's fate no longer matters to it."""
+        rid = msg.subject.rsplit(".", 2)[1]
+        if rid in self._streams:
+            self._at_engine.add(rid)
+            self._held_by.pop(rid, None)
 
     def _spawn_cancel(self, rid: str) -> None:
         task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=rid,
@@ -401,7 +410,9 @@ class GatewayService:
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
             gen.timestamps["gateway_published"] = time.time()
-            self._held_by[rid] = await self._submit(gen)
+            scheduler_id = await self._submit(gen)
+            if rid not in self._at_engine:
+                self._held_by[rid] = scheduler_id
             first = await queue.get()
             first_at = time.time()
             self._held_by.pop(rid, None)
@@ -427,6 +438,7 @@ class GatewayService:
             self.metrics.active.dec()
             self._streams.pop(rid, None)
             self._held_by.pop(rid, None)
+            self._at_engine.discard(rid)
             self._tenants.pop(rid, None)
             if not finished:  # the client left, or something broke: free the engine's blocks now
                 self.metrics.cancels.inc()
