@@ -81,6 +81,7 @@ def check_canary_and_rollback(stack, control, tiny_model_dir):
         window = traffic.served[start:start + 300]
         assert len(window) == 300, f"only {len(window)} requests in 120 s"
         share = window.count(2) / len(window)
+        print(f"canary share over 300 requests: {share:.1%} (asked: 20%)")
         # Binomial(300, 0.2): three standard deviations are 6.9 points.
         assert 0.13 <= share <= 0.27, f"canary share {share:.2%}"
         assert set(window) <= {1, 2}
