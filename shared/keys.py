@@ -49,6 +49,16 @@ def deployment(name: str) -> str:
     return f"{PREFIX}:deployment:{name}"
 
 
+def service(kind: str, instance: str) -> str:
+    """Hash: a gateway's or scheduler's registry entry (http_url, ...), with a TTL lease."""
+    return f"{PREFIX}:service:{kind}:{instance}"
+
+
+def services(kind: str) -> str:
+    """Set: instances of one kind of service that registered (entries may be stale)."""
+    return f"{PREFIX}:services:{kind}"
+
+
 def deployment_revision(name: str, revision: int) -> str:
     """String: one immutable revision's spec, as JSON."""
     return f"{PREFIX}:deployment:{name}:revision:{revision}"

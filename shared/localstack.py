@@ -239,9 +239,9 @@ class LocalStack:
             raise
         return self
 
-    def start_engine(self, replica_id: str, *extra: str) -> subprocess.Popen:
-        return self._spawn(replica_id, engine_module_args(self.model_dir, replica_id, self.deployment, self.infra,
-                                                          *self.engine_args, *extra))
+    def start_engine(self, replica_id: str, *extra: str, deployment: str = "") -> subprocess.Popen:
+        return self._spawn(replica_id, engine_module_args(self.model_dir, replica_id, deployment or self.deployment,
+                                                          self.infra, *self.engine_args, *extra))
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "ab") as log_file:

@@ -11,6 +11,8 @@ import sys
 
 import structlog
 
+from shared import logstream
+
 
 def configure_logging(service: str, fmt: str = "auto", level: str = "info", **static) -> structlog.BoundLogger:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
@@ -22,6 +24,7 @@ def configure_logging(service: str, fmt: str = "auto", level: str = "info", **st
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            logstream.TAP,  # inert until the service publishes its lines (shared.logstream)
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -29,6 +29,8 @@ CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
+LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept a while by JetStream
+LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
@@ -82,6 +84,17 @@ def kv_events(model: str, replica_id: str) -> str:
 
 def scheduler_stats(scheduler_id: str) -> str:
     return f"{PREFIX}.scheduler.{_token(scheduler_id)}.stats"
+
+
+def logs(service: str, instance: str) -> str:
+    """One service instance's log lines; `logs(service, "*")` matches every instance."""
+    return f"{PREFIX}.logs.{_token(service)}.{instance if instance == '*' else _token(instance)}"
+
+
+def accepted(reply_to: str) -> str:
+    """engine -> caller, beside the stream: a GenerateAck once an engine has taken the request
+    (so a caller knows no scheduler holds it any more)."""
+    return f"{reply_to}.accepted"
 
 
 def gateway_stats(gateway_id: str) -> str:
@@ -326,7 +339,6 @@ class GenerateRequest(Message):
     priority: str | None = None  # critical | standard | sheddable
     # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
     timestamps: dict[str, float] = field(default_factory=dict)
-    ack_to: str | None = None  # where the engine that accepts the request publishes its GenerateAck
     resume: Resume | None = None  # set on the continuation of a stream that lost its replica
 
     def validate(self) -> None:
@@ -336,11 +348,8 @@ class GenerateRequest(Message):
             raise ProtocolError("GenerateRequest: reply_to must not be empty")
         if self.prompt is None and self.prompt_token_ids is None:
             raise ProtocolError("GenerateRequest: one of 'prompt' or 'prompt_token_ids' is required")
-        for name in ("reply_to", "ack_to"):
-            subject = getattr(self, name)
-            if subject is not None and (any(c in subject for c in "*> \t\r\n") or subject.startswith(".")
-                                        or ".." in subject or subject.endswith(".")):
-                raise ProtocolError(f"GenerateRequest: {name} {subject!r} is not a valid subject")
+        if any(c in self.reply_to for c in "*> \t\r\n") or self.reply_to.startswith(".") or ".." in self.reply_to:
+            raise ProtocolError(f"GenerateRequest: reply_to {self.reply_to!r} is not a valid subject")
         if self.resume is not None:
             if self.prompt_token_ids is None:
                 raise ProtocolError("GenerateRequest: a resumed request needs prompt_token_ids")
@@ -497,6 +506,18 @@ class SchedulerStats(Message):
     oldest_wait_s: dict[str, float] = field(default_factory=dict)  # model -> longest wait so far
     timestamp: float = 0.0
     http_url: str = ""  # its /metrics and /health
+
+
+@dataclass
+class LogLine(Message):
+    """One structured log line of a service, as its JSON log line has it."""
+
+    service: str  # gateway | scheduler | engine | ...
+    instance: str  # gateway id, scheduler id, replica id
+    level: str
+    event: str
+    timestamp: str  # ISO 8601, UTC
+    fields: dict[str, Any] = field(default_factory=dict)  # the rest: request_id, replica_id, error, ...
 
 
 @dataclass

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.logging import get_logger
+
+log = get_logger()
 
 
 async def refresh(redis: aioredis.Redis, replica_id: str, model: str, fields: dict, ttl: float) -> None:
@@ -48,3 +53,37 @@ async def sweep(redis: aioredis.Redis, model: str) -> tuple[dict[str, dict[str, 
 async def models(redis: aioredis.Redis) -> list[str]:
     """Models that have (or had) registered replicas."""
     return sorted(m.decode() for m in await redis.smembers(keys.MODELS))
+
+
+async def announce(redis: aioredis.Redis, kind: str, instance: str, fields: dict, ttl: float) -> None:
+    """Register (or refresh) a gateway's or scheduler's entry, so tools can find its /metrics."""
+    key = keys.service(kind, instance)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})
+        pipe.pexpire(key, int(ttl * 1000))
+        pipe.sadd(keys.services(kind), instance)
+        await pipe.execute()
+
+
+async def keep_announced(redis: aioredis.Redis, kind: str, instance: str, fields: dict, interval: float = 1.0,
+                         ttl: float = 5.0) -> None:
+    """announce() every `interval` seconds until cancelled; Redis trouble only delays it."""
+    while True:
+        try:
+            await announce(redis, kind, instance, fields, ttl)
+        except Exception as exc:
+            log.warning("service registration failed", kind=kind, error=str(exc))
+        await asyncio.sleep(interval)
+
+
+async def services(redis: aioredis.Redis, kind: str) -> dict[str, dict[str, str]]:
+    """Live instances of one kind of service with their fields; prunes those whose lease is gone."""
+    members = sorted(m.decode() for m in await redis.smembers(keys.services(kind)))
+    async with redis.pipeline(transaction=False) as pipe:
+        for m in members:
+            pipe.hgetall(keys.service(kind, m))
+        entries = await pipe.execute()
+    dead = [m for m, e in zip(members, entries) if not e]
+    if dead:
+        await redis.srem(keys.services(kind), *dead)
+    return {m: {k.decode(): v.decode() for k, v in e.items()} for m, e in zip(members, entries) if e}

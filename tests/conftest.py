@@ -40,13 +40,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def managed_stack(infra, tiny_model_dir, tmp_path_factory):
+def managed_stack(tiny_model_dir, tmp_path_factory):
     """A local stack with control and the scaler (local actuator): deployments applied through
-    control get their engines from the scaler. Shared by the control and scaler tests."""
+    control get their engines from the scaler. Shared by the control and scaler tests. It has
+    NATS and Valkey of its own: its scheduler must not take other stacks' requests (schedulers
+    on one NATS form one queue group), nor its scaler see their deployments."""
     from shared.localstack import LocalStack
 
-    s = LocalStack(str(tiny_model_dir), engines=0, nats_url=infra.nats_url, redis_url=infra.redis_url,
-                   control=True, scaler=True, scaler_args=["--engine-arg=--threads=1"],
+    s = LocalStack(str(tiny_model_dir), engines=0, control=True, scaler=True,
+                   scaler_args=["--engine-arg=--threads=1"],
                    log_dir=tmp_path_factory.mktemp("managed-stack-logs"))
     s.start()
     yield s

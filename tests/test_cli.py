@@ -43,3 +43,13 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_strata_simulate_writes_its_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "services.control.cli", "simulate", "bursty", "--replicas-max", "20",
+                          "--duration", "1800", "--out", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["trace"]["name"] == "bursty" and report["trace"]["requests"] > 0
+    assert (tmp_path / "simulate.json").exists() and (tmp_path / "simulate.png").stat().st_size > 0

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from services.control.service import ControlConfig, ControlService
-from shared import aio
+from shared import aio, telemetry
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         return 2
     service = ControlService(ControlConfig(settings.nats_url, settings.redis_url, args.host, args.port,
                                            args.control_id))
-    aio.run(aio.serve_until_signalled(service))
+    aio.run(telemetry.observed("control", args.control_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 
 

@@ -54,7 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  nats:     {stack.infra.nats_url}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
-              f"`strata status {name}` shows the fleet. Ctrl-C stops everything.", flush=True)
+              f"  status:   strata status {name}\n"
+              f"Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
     return 0
@@ -81,6 +82,81 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
     print(asyncio.run(create()))
     return 0
+
+
+# ---- observability: strata logs, strata diagnose ------------------------------------------------
+def _duration(text: str) -> float:
+    """'90', '90s', '5m', '2h' -> seconds (an argparse type)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip().lower()
+    try:
+        return float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30s, 5m, 1h)") from None
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.control.logs import follow, render
+
+    settings = Settings.from_args(args)
+    if not settings.nats_url:
+        print("--nats-url (or STRATA_NATS_URL) is required", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await follow(settings.nats_url, lambda line: print(render(line, args.json), flush=True), stop,
+                     service=args.service, request_id=args.request, since=args.since)
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from services.control.diagnose import Thresholds, diagnose, render
+    from services.control.figures import gather
+
+    settings = Settings.from_args(args)
+    if not settings.redis_url:
+        print("--redis-url (or STRATA_REDIS_URL) is required: services are found through the registry",
+              file=sys.stderr)
+        return 2
+    figures = asyncio.run(gather(settings.redis_url, args.since, args.gateway_url))
+    if args.deployment:
+        figures.deployments = [d for d in figures.deployments if d.name == args.deployment]
+    report = diagnose(figures, Thresholds(itl_slo_s=args.itl_slo))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return 0
+
+
+def _add_observability_commands(sub) -> None:
+    p = sub.add_parser("logs", help="follow the services' log lines live (over NATS)")
+    p.add_argument("--service", choices=["gateway", "scheduler", "engine", "scaler", "control"])
+    p.add_argument("--request", metavar="ID", help="only the lines of this request id")
+    p.add_argument("--since", type=_duration, default=0.0, metavar="DURATION",
+                   help="start this far back, e.g. 5m (replayed from JetStream), then follow")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    Settings.add_arguments(p)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("diagnose", help="which layer owns the current latency, with evidence and the usual fix")
+    p.add_argument("--since", type=_duration, default=300.0, metavar="DURATION",
+                   help="the window to look at (default 5m; 0: since the services started)")
+    p.add_argument("--deployment", help="only this deployment")
+    p.add_argument("--gateway-url", action="append", default=[],
+                   help="a gateway's base URL, if it is not registered in Redis (repeatable)")
+    p.add_argument("--itl-slo", type=float, default=0.05, metavar="SECONDS",
+                   help="inter-token latency above this is slow (default 0.05)")
+    p.add_argument("--json", action="store_true")
+    Settings.add_arguments(p)
+    p.set_defaults(func=cmd_diagnose)
 
 
 # ---- deployments (over control's REST API) ---------------------------------------------------
@@ -239,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the key straight into Redis instead of through control (the first admin key)")
     _control_args(p)
     p.set_defaults(func=cmd_keys_create)
+    _add_observability_commands(sub)
+
+    sub.add_parser("simulate", add_help=False,
+                   help="simulate a fleet under the scaler's policy: strata simulate TRACE [options]; "
+                        "`strata simulate --help` lists them")
 
     p = sub.add_parser("deploy", help="apply a deployment spec (YAML or JSON; - for stdin): a new revision")
     p.add_argument("file")
@@ -275,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # the simulator owns its flags (services.scaler.simulator)
+        from services.scaler import simulator
+
+        return simulator.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

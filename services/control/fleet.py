@@ -9,14 +9,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from shared.layers import LAYERS as REQUEST_LAYERS
 from shared.protocol import GatewayStats, Heartbeat, SchedulerStats, ScalerDecision
 
 HISTORY_POINTS = 300  # samples kept per deployment (10 minutes at one every 2 s)
-# Which layer owns each part of a request's time (the gateway's strata timings). Control, the
+# The parts of a request's time by the component that owns them (shared.layers). Control, the
 # tooling layer, is off the request path: its share is what deploys and config cost, not time.
-LAYERS = {"runtime": ("engine_queue", "engine_prefill", "engine_decode"),
-          "infrastructure": ("gateway", "admission_wait", "routing", "bus"),
-          "tooling": ()}
+LAYERS = {component: tuple(layer.name for layer in REQUEST_LAYERS if layer.component == component)
+          for component in ("runtime", "infrastructure", "tooling")}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from services.control.fleet import FleetView
 from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyStore, create_key
 from services.gateway.openai_api import ApiError, error_response
-from shared import deployments, protocol
+from shared import deployments, protocol, registry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
@@ -74,10 +74,13 @@ class ControlService:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.url = f"http://{self.cfg.host}:{site._server.sockets[0].getsockname()[1]}"
+        self._announcer = asyncio.create_task(registry.keep_announced(self.redis, "control", self.cfg.control_id,
+                                                                      {"http_url": self.url}))
         log.info("control ready", url=self.url)
 
     async def stop(self) -> None:
         self._sampler.cancel()
+        self._announcer.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()

@@ -9,7 +9,7 @@ import sys
 
 from services.engine.service import EngineWorker, WorkerConfig
 from shared import protocol
-from shared import aio
+from shared import aio, telemetry
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         await worker.run()
         exit_code[0] = worker.exit_code
 
-    aio.run(run())
+    aio.run(telemetry.observed("engine", args.replica_id, settings.nats_url, run()))
     return exit_code[0]
 
 

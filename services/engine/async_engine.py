@@ -19,6 +19,7 @@ from typing import Protocol
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
+from services.engine.model_runner import StepTimings
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.logging import get_logger
@@ -88,12 +89,14 @@ class AsyncLLMEngine:
     CPU when a model built on one thread is stepped from another (OpenMP thread teams)."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine],
-                 on_kv_events: Callable[[int, KvEvents], None] | None = None):
+                 on_kv_events: Callable[[int, KvEvents], None] | None = None,
+                 on_step: Callable[[StepTimings], None] | None = None):
         self._factory = engine_factory
         self.engine: LLMEngine | None = None
         # Called on the event loop with each step's KV events and their batch seq, numbered on
         # the engine thread so that a snapshot can say exactly which batches it includes.
         self.on_kv_events = on_kv_events
+        self.on_step = on_step  # called on the engine thread with each step's phase timings
         self.kv_seq = 0  # engine thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -183,6 +186,8 @@ class AsyncLLMEngine:
                 try:
                     outputs = engine.step()
                     failures = 0
+                    if self.on_step is not None and engine.last_step is not None:
+                        self.on_step(engine.last_step)
                 except Exception as exc:  # one bad step must not take the replica down
                     failures += 1
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -12,7 +12,7 @@ from services.engine.config import EngineArgs
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.input_processor import InputProcessor
 from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner, StepTimings
+from services.engine.model_runner import STEP_PHASES, ModelRunner, StepTimings
 from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import Scheduler
@@ -43,7 +43,9 @@ class LLMEngine:
         self.streaming = streaming
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
-        self.step_timings = StepTimings()
+        self.step_timings = StepTimings()  # every step so far, phase by phase
+        self.last_step: StepTimings | None = None
+        self._detok_s = 0.0  # detokenization time within the current step
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._aborted: list[RequestOutput] = []
@@ -112,17 +114,25 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batch through the model. Its phases go to `last_step` (None for a step with no
+        batch) and add up into `step_timings`."""
+        start = time.perf_counter()
+        self.last_step = None
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        if self.args.debug_step_delay_s:
+        timings = StepTimings(steps=1)
+        timings.schedule = time.perf_counter() - start
+        if self.args.debug_step_delay_s:  # lands in `other`: no named phase owns it
             time.sleep(self.args.debug_step_delay_s)
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        sampled_seqs, result = self.runner.execute(batch, self.step_timings)
+        sampled_seqs, result = self.runner.execute(batch, timings)
+        executed = time.perf_counter()
+        self._detok_s = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -133,6 +143,15 @@ class LLMEngine:
                 outputs.append(self._output(seq))
         self.num_steps += 1
         self.num_generated_tokens += len(sampled_seqs)
+        end = time.perf_counter()
+        timings.detokenize = self._detok_s
+        timings.bookkeeping = end - executed - self._detok_s
+        timings.wall = end - start
+        named = (timings.schedule + timings.prepare + timings.forward + timings.sample + timings.detokenize
+                 + timings.bookkeeping)
+        timings.other = max(timings.wall - named, 0.0)
+        self.last_step = timings
+        self.step_timings.add(timings)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
@@ -145,7 +164,10 @@ class LLMEngine:
         params = seq.params
         reason = None
         if params.stop or self.streaming:
-            if seq.detokenizer.append(seq.token_ids):
+            t = time.perf_counter()
+            stopped = seq.detokenizer.append(seq.token_ids)
+            self._detok_s += time.perf_counter() - t
+            if stopped:
                 reason = "stop"
         if reason is None:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -163,10 +185,12 @@ class LLMEngine:
         new_logprobs = [(t, lp[t], lp) for t, lp in zip(new_ids, seq.logprobs[seq.num_emitted_tokens:])] \
             if seq.params.logprobs is not None else []
         seq.num_emitted_tokens = seq.num_output_tokens
+        t = time.perf_counter()
         if finished and not (seq.params.stop or self.streaming):
             seq.detokenizer.output_text = self.tokenizer.backend_tokenizer.decode(
                 seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         delta = seq.detokenizer.take_delta(finished)
+        self._detok_s += time.perf_counter() - t
         completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.streaming else "",
                                       seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
@@ -192,7 +216,6 @@ class LLMEngine:
             "waiting": len(sched.waiting),
             "num_steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
-            "step_prepare_s": self.step_timings.prepare,
-            "step_forward_s": self.step_timings.forward,
-            "step_sample_s": self.step_timings.sample,
+            **{f"step_{phase}_s": getattr(self.step_timings, phase) for phase in STEP_PHASES},
+            "step_wall_s": self.step_timings.wall,
         }

@@ -7,6 +7,9 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.engine.model_runner import STEP_PHASES, StepTimings
+
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -41,6 +44,14 @@ class EngineMetrics:
         self.queue_time = histogram("strata:request_queue_time_seconds", "Time waiting before the first schedule.")
         self.prefill_time = histogram("strata:request_prefill_time_seconds", "First schedule to first token.")
         self.decode_time = histogram("strata:request_decode_time_seconds", "First token to finish.")
+        self._step_phase = Histogram("strata:engine_step_seconds",
+                                     "Engine step time by phase; `other` is the wall time no named phase covers "
+                                     "(Python between phases, GIL and launch overhead).",
+                                     labels + ["phase"], buckets=_STEP_BUCKETS, registry=r)
+        self._step_phases = {phase: self._step_phase.labels(**self._values, phase=phase) for phase in STEP_PHASES}
+        self.step_duration = Histogram("strata:engine_step_duration_seconds",
+                                       "Engine step wall time (the sum of its phases).", labels,
+                                       buckets=_STEP_BUCKETS, registry=r).labels(**self._values)
         self._success = Counter("strata:request_success", "Finished requests by reason.",
                                 labels + ["finished_reason"], registry=r)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
@@ -48,6 +59,12 @@ class EngineMetrics:
         self.recent_itl = LatencyWindow()
         self.finished_total = 0
         self.failed_total = 0
+
+    def observe_step(self, step: StepTimings) -> None:
+        """One step's phases (called on the engine thread; prometheus_client is thread-safe)."""
+        for phase, hist in self._step_phases.items():
+            hist.observe(getattr(step, phase))
+        self.step_duration.observe(step.wall)
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._values, finished_reason=reason).inc()

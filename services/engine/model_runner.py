@@ -34,11 +34,27 @@ def _keep_freed_memory_on_cpu() -> None:
             pass
 
 
+# One engine step, phase by phase (seconds). `other` is the step's wall time minus the named
+# phases: Python between them, lock and GIL waits, the debug delay; on a GPU, whatever the host
+# does while the device waits shows up in it rather than vanishing into `forward`.
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
+
+
 @dataclass
 class StepTimings:
-    prepare: float = 0.0
-    forward: float = 0.0
+    schedule: float = 0.0  # host: choosing the batch, allocating blocks
+    prepare: float = 0.0  # host: building the input tensors
+    forward: float = 0.0  # device: the model forward and logits (synchronized on CUDA)
     sample: float = 0.0
+    detokenize: float = 0.0
+    bookkeeping: float = 0.0  # host: prefix-cache registration, stop checks, step outputs
+    other: float = 0.0
+    wall: float = 0.0  # the whole step; the phases add up to it
+    steps: int = 0
+
+    def add(self, step: "StepTimings") -> None:
+        for name in (*STEP_PHASES, "wall", "steps"):
+            setattr(self, name, getattr(self, name) + getattr(step, name))
 
 
 class ModelRunner:

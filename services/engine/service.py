@@ -19,18 +19,20 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from opentelemetry import context as otel_context
 
 from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
 from services.engine.metrics import EngineMetrics
+from services.engine.observe import engine_stamps, record_spans
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from shared import protocol, registry
+from shared import protocol, registry, telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
                              KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, TokenChunk,
                              TokenLogprob, Usage)
@@ -71,6 +73,7 @@ class EngineWorker:
         self.bus: Bus | None = None
         self.redis = None
         self.metrics = EngineMetrics(cfg.deployment, cfg.replica_id)
+        self.history = MetricsHistory(self.metrics.registry)
         self.http_url = ""
         self._tenants: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -94,7 +97,8 @@ class EngineWorker:
         structlog.contextvars.bind_contextvars(replica_id=cfg.replica_id)
         args = EngineArgs.from_kwargs(**cfg.engine_args)
         self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args),
-                                     on_kv_events=lambda seq, events: self._kv_queue.put_nowait((seq, events)))
+                                     on_kv_events=lambda seq, events: self._kv_queue.put_nowait((seq, events)),
+                                     on_step=self.metrics.observe_step)
         await self.engine.start()
         engine = self.engine.engine
         self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}")
@@ -105,6 +109,7 @@ class EngineWorker:
         await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
         self._spawn(self._publish_kv_events())
         self._spawn(self._publish_outbox())
+        self._spawn(self.history.run())
         self.state = "ready"
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
@@ -200,8 +205,7 @@ class EngineWorker:
         ack = GenerateAck(req.request_id, self.cfg.replica_id, True, accepted_seq=self._accepted_total)
         if raw.reply:
             await self.bus.publish(raw.reply, ack)
-        if req.ack_to:  # the caller learns which replica runs its request (to follow it if it dies)
-            await self.bus.publish(req.ack_to, ack)
+        await self.bus.publish(protocol.accepted(req.reply_to), ack)
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the
@@ -361,10 +365,9 @@ class EngineWorker:
                 log.warning("heartbeat failed", error=str(exc))
 
     # ---- http -------------------------------------------------------------------------------
-    async def _http_metrics(self, _request: web.Request) -> web.Response:
+    async def _http_metrics(self, request: web.Request) -> web.Response:
         self.metrics.update_engine(self.engine.engine.stats())
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return metrics_response(request, self.metrics.registry, self.history)
 
     async def _http_health(self, _request: web.Request) -> web.Response:
         body = {"state": self.state, "replica_id": self.cfg.replica_id, "deployment": self.cfg.deployment}
@@ -377,6 +380,7 @@ class ChunkSink:
 
     def __init__(self, worker: EngineWorker, req: GenerateRequest, arrival: float):
         self.worker, self.req, self.arrival = worker, req, arrival
+        self.trace_parent = otel_context.get_current()  # the sender's span, from the message headers
         self.seq_no = 0
         self.last_emit: float | None = None
         self.expired = False
@@ -397,9 +401,11 @@ class ChunkSink:
         w, req = self.worker, self.req
         try:
             if out.finished and self.expired:
+                self._observe(out, ErrorCode.DEADLINE_EXCEEDED)
                 return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.DEADLINE_EXCEEDED,
                                                         "request deadline exceeded"))
             if out.finished and req.request_id in w._drain_aborted:
+                self._observe(out, ErrorCode.UNAVAILABLE)
                 return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.UNAVAILABLE,
                                                         "the replica shut down before the request finished"))
             chunk = w._chunk(req, self.seq_no, out)
@@ -410,13 +416,12 @@ class ChunkSink:
                 else:
                     w.metrics.token_gap((now - self.last_emit) / len(chunk.token_ids))
                 self.last_emit = now
-            if self.seq_no == 0:
-                req.timestamps["engine_first_chunk"] = time.time()
             if chunk.is_final:
-                chunk.timestamps = {**req.timestamps, "engine_final_chunk": time.time()}
+                chunk.timestamps = self._stamps(out)
             w._emit(req.reply_to, chunk)
             self.seq_no += 1
             if chunk.is_final:
+                self._observe(out, None, chunk.timestamps)
                 self._end(lambda: w._record_final(out, self.arrival))
         except Exception:  # never leave the caller without a final message
             log.exception("stream failed", request_id=req.request_id)
@@ -424,7 +429,32 @@ class ChunkSink:
             self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.INTERNAL,
                                              "internal error in the engine worker"))
 
+    def _stamps(self, out: RequestOutput | None) -> dict[str, float]:
+        """The request's hop timestamps, the engine's own added (shared.layers)."""
+        received = self.req.timestamps.get("engine_received", time.time())
+        return {**self.req.timestamps, **engine_stamps(received, self.arrival, out.metrics if out else None),
+                "engine_final_chunk": time.time()}
+
+    def _observe(self, out: RequestOutput | None, error: str | None, stamps: dict | None = None) -> None:
+        """The finished request's spans and its one log line."""
+        stamps = stamps or self._stamps(out)
+        fields = {"finish_reason": out.outputs[0].finish_reason if out else None, "error": error,
+                  "revision": self.worker.cfg.revision}
+        attributes = {"strata.revision": self.worker.cfg.revision}
+        if out is not None:
+            attributes |= {telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(out.prompt_token_ids),
+                           telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: len(out.outputs[0].token_ids),
+                           telemetry.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: out.num_cached_tokens,
+                           telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [error or out.outputs[0].finish_reason or ""]}
+            fields.update(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.outputs[0].token_ids),
+                          cached_tokens=out.num_cached_tokens,
+                          **{f"{k}_ms": round(v * 1e3, 3) for k, v in out.metrics.timings().items()})
+        record_spans(self.trace_parent, self.req.model, self.req.request_id, self.worker.cfg.replica_id, stamps,
+                     attributes, error)
+        log.info("request finished", request_id=self.req.request_id, **fields)
+
     def fail(self, exc: BaseException) -> None:
+        self._observe(None, ErrorCode.INTERNAL)
         self._end(lambda: self.worker._final_error(self.req, self.seq_no, ErrorCode.INTERNAL, str(exc)))
 
     def _end(self, final) -> None:

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from services.gateway.service import GatewayConfig, GatewayService
-from shared import aio
+from shared import aio, telemetry
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout)
 
-    aio.run(aio.serve_until_signalled(GatewayService(cfg)))
+    aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
+                               aio.serve_until_signalled(GatewayService(cfg))))
     return 0
 
 

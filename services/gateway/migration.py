@@ -2,8 +2,8 @@
 
 A request the gateway serves is a flow of one or more legs. A leg is one engine's run of it, with
 its own request id on the bus (the original id, then `<id>-m1`, `<id>-m2`) and the request's
-reply subject. The gateway learns a leg's replica from the engine's acknowledgement (published
-to the request's `ack_to`) or from its chunks, and watches every replica's heartbeats. When a
+reply subject. The gateway learns a leg's replica from the engine's acceptance notice
+(`<reply_to>.accepted`) or from its chunks, and watches every replica's heartbeats. When a
 leg's replica falls silent, its stream loses a chunk, or it drains away from the request, the
 gateway cancels that leg (a replica presumed dead may be alive) and submits the next one: the
 original prompt followed by every completion token delivered so far, the same sampling with
@@ -79,7 +79,6 @@ class Migrator:
     async def start(self) -> None:
         bus = self.gw.bus
         await bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        await bus.nc.subscribe(f"{self.gw._inbox}.*.routed", cb=self.on_routed)
         self._watch = asyncio.create_task(self._watch_replicas())
 
     def stop(self) -> None:
@@ -88,11 +87,10 @@ class Migrator:
 
     # ---- flows ------------------------------------------------------------------------------
     def track(self, gen: GenerateRequest) -> None:
-        """A new request (its first leg): follow it, and ask its engine to say where it runs."""
+        """A new request (its first leg): follow it."""
         queue = self.gw._streams.get(gen.request_id)
         if gen.resume is not None or queue is None:
             return
-        gen.ack_to = f"{self.gw._inbox}.{gen.request_id}.routed"
         self.flows[gen.request_id] = Flow(gen, queue, gen.request_id)
 
     def leg_id(self, request_id: str) -> str:
@@ -133,18 +131,18 @@ class Migrator:
     async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
         self.last_seen[hb.replica_id] = time.monotonic()
 
-    async def on_routed(self, msg) -> None:
-        flow = self.flows.get(msg.subject.rsplit(".", 2)[1])
+    def on_accepted(self, request_id: str, data: bytes) -> None:
+        """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to watch."""
+        flow = self.flows.get(request_id)
         try:
-            ack = protocol.decode(GenerateAck, msg.data)
+            ack = protocol.decode(GenerateAck, data)
         except protocol.ProtocolError as exc:
-            log.warning("malformed routing acknowledgement", error=str(exc))
+            log.warning("malformed acceptance notice", error=str(exc))
             return
         if flow is None or ack.request_id != flow.leg_id or not ack.accepted:
             return
         flow.replica = ack.replica_id
         self.last_seen.setdefault(ack.replica_id, time.monotonic())
-        self.gw._held_by.pop(flow.gen.request_id, None)  # an engine has it: its scheduler no longer matters
 
     async def _watch_replicas(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.layers import by_component, layer_timings
 from shared.protocol import SamplingSpec, TokenChunk, Usage
 
 
@@ -266,30 +267,13 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: dict) -> 
             "model": model, "choices": [], "usage": usage}
 
 
-def strata_extension(final: TokenChunk, published: float, first_chunk_at: float, done: float) -> dict:
-    """Where the request's time went, by layer (seconds), and which replica served it.
-    Hop timestamps come from different processes: on one machine their clocks agree; across
-    machines the bus figures include clock skew."""
-    ts = final.timestamps or {}
-    t = final.timings or {}
-    arrival = ts.get("gateway_received", published)
-    received = ts.get("scheduler_received", published)
-    dequeued = ts.get("scheduler_dequeued", received)
-    routed = ts.get("scheduler_routed", dequeued)
-    engine_received = ts.get("engine_received", routed)
-    engine_first = ts.get("engine_first_chunk", engine_received)
-    timings = {
-        "gateway": published - arrival,
-        "admission_wait": dequeued - received,
-        "routing": routed - dequeued,
-        "bus": (received - published) + (engine_received - routed) + max(first_chunk_at - engine_first, 0.0),
-        "engine_queue": t.get("engine_queue", 0.0),
-        "engine_prefill": t.get("engine_prefill", 0.0),
-        "engine_decode": t.get("engine_decode", 0.0),
-        "e2e": done - arrival,
-    }
+def strata_extension(final: TokenChunk, done: float) -> dict:
+    """Where the request's time went (seconds per layer, shared.layers, and `e2e`), the same
+    split by component (runtime / infrastructure), and which replica (and revision) served it."""
+    timings = layer_timings({**(final.timestamps or {}), "gateway_done": done})
     return {"replica_id": final.replica_id, "revision": final.revision,
-            "timings": {k: round(max(v, 0.0), 6) for k, v in timings.items()}}
+            "timings": {k: round(v, 6) for k, v in timings.items()},
+            "components": {k: round(v, 6) for k, v in by_component(timings).items()}}
 
 
 def now() -> int:

@@ -21,17 +21,20 @@ import structlog
 from aiohttp import web
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
+from services.gateway import tracing
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
-from shared import protocol
+from shared import protocol, registry
 from shared.bus import Bus
 from shared.deployments import Deployment, DeploymentWatcher
+from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest,
                              SchedulerStats, TokenChunk)
 from shared.store import connect_redis
@@ -85,6 +88,11 @@ class GatewayMetrics:
         self.e2e = Histogram("strata:gateway_e2e_request_latency_seconds", "HTTP arrival to the final token.",
                              ["model_name"], registry=r)
         self.active = Gauge("strata:gateway_active_requests", "Requests being served.", registry=r)
+        self.layers = Histogram("strata:request_layer_seconds",
+                                "Time of each request in each layer (shared.layers); component is the design's "
+                                "layer owning it.", ["model_name", "layer", "component"],
+                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                         5.0, 10.0, 30.0, 60.0), registry=r)
         self.cancels = Counter("strata:gateway_cancelled_requests",
                                "Requests the gateway cancelled downstream (client left, or the stream broke).",
                                registry=r)
@@ -98,13 +106,15 @@ class GatewayService:
         self._static: set[str] = set()
         self.deployments: DeploymentWatcher | None = None
         self.metrics = GatewayMetrics()
+        self.history = MetricsHistory(self.metrics.registry)
         self.bus: Bus | None = None
         self.redis = None
         self.keys: KeyStore | None = None
         self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
         self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
         self._schedulers_seen: dict[str, float] = {}
-        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until the first chunk
+        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until an engine takes it
+        self._at_engine: set[str] = set()  # requests an engine took (before their scheduler's ack, at times)
         self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
         self._completion_tokens: dict[str, int] = {}  # request id -> tokens streamed so far
         self._background: set[asyncio.Task] = set()
@@ -129,6 +139,7 @@ class GatewayService:
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
         await self.deployments.start(self.bus)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
+        await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
         await self.migration.start()
@@ -139,10 +150,14 @@ class GatewayService:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.cfg.host}:{port}"
+        self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url}))]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
         self._watchdog.cancel()
+        for task in self._observers:
+            task.cancel()
         self._reporter.cancel()
         self.migration.stop()
         self.deployments.stop()
@@ -152,7 +167,8 @@ class GatewayService:
         await self.redis.aclose()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_middleware], client_max_size=4 * 1024 * 1024)
+        app = web.Application(middlewares=[tracing.trace_requests, self._errors_middleware],
+                              client_max_size=4 * 1024 * 1024)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
@@ -191,9 +207,21 @@ class GatewayService:
         if queue is None:
             return  # a late chunk of a request already ended
         try:
-            queue.put_nowait(protocol.decode(TokenChunk, msg.data))
+            chunk = protocol.decode(TokenChunk, msg.data)
         except protocol.ProtocolError as exc:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
+            return
+        if chunk.is_final and chunk.timestamps is not None:
+            chunk.timestamps["gateway_final_received"] = time.time()
+        queue.put_nowait(chunk)
+
+    async def _on_accepted(self, msg) -> None:
+        """An engine took the request: its scheduler's fate no longer matters to it."""
+        rid = msg.subject.rsplit(".", 2)[1]
+        if rid in self._streams:
+            self._at_engine.add(rid)
+            self._held_by.pop(rid, None)
+            self.migration.on_accepted(rid, msg.data)
 
     def _spawn_cancel(self, rid: str) -> None:
         task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=self.migration.leg_id(rid),
@@ -286,8 +314,8 @@ class GatewayService:
         return web.json_response({"status": "ok" if connected else "degraded", "models": list(self.models)},
                                  status=200 if connected else 503)
 
-    async def prometheus(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return metrics_response(request, self.metrics.registry, self.history)
 
     async def openapi(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
@@ -350,7 +378,7 @@ class GatewayService:
 
     async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
                      ids: list[int]) -> web.StreamResponse:
-        arrival = time.time()
+        arrival = tracing.received_at()
         if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
             raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                          f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
@@ -375,6 +403,7 @@ class GatewayService:
                               prompt_token_ids=ids, sampling=parsed.sampling, deadline=arrival + timeout,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival})
+        tracing.annotate_request(gen, parsed.stream)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue
         self._tenants[rid] = key.tenant
@@ -386,8 +415,10 @@ class GatewayService:
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
         try:
-            published = time.time()
-            self._held_by[rid] = await self._submit(gen)
+            gen.timestamps["gateway_published"] = time.time()
+            scheduler_id = await self._submit(gen)
+            if rid not in self._at_engine:
+                self._held_by[rid] = scheduler_id
             first = await queue.get()
             first_at = time.time()
             self._held_by.pop(rid, None)
@@ -396,7 +427,7 @@ class GatewayService:
                 self._account(model.name, None)
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
-            times = (arrival, published, first_at)
+            times = (arrival, first_at)
             if parsed.stream:
                 response = await self._stream(request, parsed, model, gen, first, queue, times)
             else:
@@ -413,6 +444,7 @@ class GatewayService:
             self.metrics.active.dec()
             self._streams.pop(rid, None)
             self._held_by.pop(rid, None)
+            self._at_engine.discard(rid)
             self._tenants.pop(rid, None)
             leg_id = self.migration.forget(rid)
             if not finished:  # the client left, or something broke: free the engine's blocks now
@@ -463,8 +495,8 @@ class GatewayService:
             chunk = await queue.get()
 
     async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
-                       queue: asyncio.Queue, times: tuple[float, float, float]) -> web.Response:
-        arrival, published, first_at = times
+                       queue: asyncio.Queue, times: tuple[float, float]) -> web.Response:
+        arrival, first_at = times
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
@@ -481,16 +513,28 @@ class GatewayService:
         else:
             body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                       oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
-        extension = oa.strata_extension(final, published, first_at, time.time())
-        self._account(model.name, extension["timings"])
+        extension = self._finished(body["id"], model, gen, final, first_at)
         body["strata"] = extension
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return web.json_response(body, headers={"x-request-id": gen.request_id,
                                                 "x-strata-timings": json.dumps(extension["timings"])})
 
+    def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
+                  first_at: float) -> dict:
+        """The strata extension of a finished request; its layer timings also go to the layer
+        histogram, the next GatewayStats report, the request's span and its log line."""
+        extension = oa.strata_extension(final, time.time())
+        timings = extension["timings"]
+        for name in LAYER_NAMES:
+            self.metrics.layers.labels(model.name, name, COMPONENT[name]).observe(timings[name])
+        self._account(model.name, timings)
+        tracing.annotate_response(response_id, model.name, final, first_at - gen.timestamps["gateway_received"],
+                                  timings)
+        return extension
+
     async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
-                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float, float]) -> web.StreamResponse:
-        arrival, published, first_at = times
+                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float]) -> web.StreamResponse:
+        arrival, first_at = times
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": gen.request_id})
         await response.prepare(request)
@@ -512,8 +556,7 @@ class GatewayService:
                 return response
             extension = {}
             if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
-                extension = {"strata": oa.strata_extension(chunk, published, first_at, time.time())}
-                self._account(model.name, extension["strata"]["timings"])
+                extension = {"strata": self._finished(rid, model, gen, chunk, first_at)}
             on_last = {} if parsed.include_usage else extension
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.scaler.actuators import KubernetesActuator, LocalProcessActuator
 from services.scaler.service import ScalerConfig, ScalerService
-from shared import aio
+from shared import aio, telemetry
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                                         extra_args=args.engine_arg)
     service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
                                          http_host=args.http_host, http_port=args.http_port), actuator)
-    aio.run(aio.serve_until_signalled(service))
+    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 
 

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from services.scaler.actuators import Actuator
 from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
-from shared import protocol
+from shared import protocol, registry
 from shared.bus import Bus
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.logging import get_logger
@@ -97,6 +97,8 @@ class ScalerService:
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         self._task = asyncio.create_task(self._loop())
         await self._start_http()
+        self._announcer = asyncio.create_task(registry.keep_announced(self.redis, "scaler", self.cfg.scaler_id,
+                                                                      {"http_url": self.http_url}))
         log.info("scaler ready", actuator=type(self.actuator).__name__, http=self.http_url)
 
     async def _start_http(self) -> None:
@@ -118,6 +120,7 @@ class ScalerService:
 
     async def stop(self) -> None:
         self._task.cancel()
+        self._announcer.cancel()
         self.deployments.stop()
         await self.actuator.close()  # local engines drain before the scaler goes
         if self._runner is not None:

@@ -42,6 +42,7 @@ from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from heapq import heappop, heappush, nsmallest
 from pathlib import Path
 
@@ -416,11 +417,13 @@ class Experiment:
     route_choices: int = 2
     seed: int = 0
 
+    @cached_property
     def load(self) -> np.ndarray:
+        """Requests in flight per tick if each were served at once (computed once per trace)."""
         return ideal_concurrency(self.trace, self.model, self.tick_s)
 
     def run(self, scenario: str) -> SimResult:
-        load = self.load()
+        load = self.load
         oracle = oracle_counts(load, self.scaling, self.model.cold_start_s, self.tick_s)
         if scenario == "policy":
             scaler = ScalerPolicy(self.scaling)
@@ -627,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"strata simulate: {exc}", file=sys.stderr)
         return 2
-    load = experiment.load()
+    load = experiment.load
     results = run_all(experiment, scenarios, args.jobs)
     command = " ".join(["strata simulate", *(sys.argv[1:] if argv is None else argv)])
     report = {"command": command, **summary(experiment, results, load, time.perf_counter() - wall)}

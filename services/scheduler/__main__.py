@@ -8,7 +8,7 @@ import socket
 import sys
 
 from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared import aio
+from shared import aio, telemetry
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
         load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
         http_host=args.http_host, http_port=args.http_port))
-    aio.run(aio.serve_until_signalled(service))
+    aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 
 

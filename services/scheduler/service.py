@@ -16,17 +16,19 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.replicas import ReplicaView
+from services.scheduler.tracing import RoutingSpans
 from shared import keys, protocol, registry
 from shared.deployments import DeploymentWatcher
 from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat, KvEventBatch,
                              KvSnapshot, KvSnapshotRequest, SchedulerStats, TokenChunk)
 from shared.store import connect_redis
@@ -68,6 +70,10 @@ class SchedulerMetrics:
         self.matched = Histogram("strata:scheduler_matched_prefix_fraction",
                                  "Fraction of the prompt's blocks cached on the chosen replica.", ["model_name"],
                                  buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.reachable = Histogram("strata:scheduler_reachable_prefix_fraction",
+                                   "Fraction of the prompt's blocks cached on the replica holding the most of it "
+                                   "(what routing could reach, whatever the policy).",
+                                   ["model_name"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
         self.retries = Counter("strata:scheduler_retries", "Requests re-sent to another replica.", registry=r)
         self.routing_time = Histogram("strata:scheduler_routing_seconds", "Receipt to engine acknowledgement.",
                                       registry=r)
@@ -88,6 +94,7 @@ class SchedulerService:
         self.view = ReplicaView(stale_after=cfg.lease_ttl)
         self.router = Router(cfg.load_weight, cfg.seed)
         self.metrics = SchedulerMetrics()
+        self.history = MetricsHistory(self.metrics.registry)
         self.queues: dict[str, AdmissionQueue] = {}
         self.bus: Bus | None = None
         self.redis = None
@@ -101,6 +108,7 @@ class SchedulerService:
         self._dispatched: dict[str, int] = {}  # model -> dispatched from its queue this second
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
         self._routing: dict[str, str | None] = {}  # request id -> tenant, while waiting for an engine
+        self.spans = RoutingSpans()
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -123,11 +131,14 @@ class SchedulerService:
         self._spawn(self._dispatch_loop())
         self._spawn(self._stats_loop())
         await self._start_http()
+        self._spawn(self.history.run())
+        self._spawn(registry.keep_announced(self.redis, "scheduler", self.cfg.scheduler_id, {"http_url": self.http_url},
+                                            ttl=self.cfg.lease_ttl))
         log.info("scheduler ready", policy=self.cfg.policy, http=self.http_url)
 
     async def _start_http(self) -> None:
-        async def metrics(_request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        async def metrics(request: web.Request) -> web.Response:
+            return metrics_response(request, self.metrics.registry, self.history)
 
         async def health(_request: web.Request) -> web.Response:
             connected = self.bus.nc.is_connected
@@ -268,6 +279,7 @@ class SchedulerService:
     async def on_generate(self, req: GenerateRequest, raw) -> None:
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         req.timestamps["scheduler_received"] = time.time()
+        self.spans.begin(req)
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
         if not self.view.replicas.get(req.model) and req.model not in self.deployments.deployments:
@@ -325,6 +337,7 @@ class SchedulerService:
                     break
                 item = queue.pop()
                 item.payload.timestamps["scheduler_dequeued"] = time.time()
+                self.spans.dequeued(item.payload)
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - item.enqueued_at)
                 self._dispatched[model] = self._dispatched.get(model, 0) + 1
                 await self.route(item.payload)
@@ -340,6 +353,7 @@ class SchedulerService:
             log.exception("routing failed")
             await self._fail(req, ErrorCode.INTERNAL, f"routing failed: {exc.__class__.__name__}")
         finally:
+            self.spans.end(req.request_id)
             self._routing.pop(req.request_id, None)
             if self._cancelled.pop(req.request_id, None) is not None:  # cancelled while in transit
                 await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant))
@@ -350,7 +364,7 @@ class SchedulerService:
         draw = self.router.rng.random()  # once per request: retries stay on its revision
         tried: set[str] = set()
         revision = 0
-        for _ in range(self.cfg.max_attempts):
+        for attempt in range(1, self.cfg.max_attempts + 1):
             if req.request_id in self._cancelled:
                 await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
                 return
@@ -362,13 +376,17 @@ class SchedulerService:
             block_size = candidates[0].block_size
             hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
             overlaps = {}
-            if policy == "kv_aware" and hashes and len(candidates) > 1:  # one candidate: nothing to weigh
+            # Every policy looks the prompt up (one Redis round trip), so the reachable prefix
+            # fraction is known whichever routes: it is how diagnose tells a wrong policy.
+            if hashes and len(candidates) > 1:  # one candidate: nothing to weigh
                 try:
                     holders = await self.index.holders(req.model, hashes)
                     overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
                 except Exception as exc:  # Redis away: route on load alone
                     log.warning("prefix index unavailable", error=str(exc))
-            decision = self.router.rank(policy, candidates, len(hashes), overlaps)[0]
+            ranked = self.router.rank(policy, candidates, len(hashes), overlaps)
+            decision = ranked[0]
+            self.spans.decided(req, ranked, attempt, revision)
             choice = decision.replica
             tried.add(choice.replica_id)
             choice.inflight += 1
@@ -378,8 +396,12 @@ class SchedulerService:
             if ack is not None and ack.accepted:
                 choice.acknowledged(ack.accepted_seq)
                 self.metrics.decisions.labels(req.model, policy, "routed", str(revision)).inc()
-                if hashes:
+                if overlaps:  # what was looked up: the chosen replica's share against the best one's
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
+                    self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
+                log.info("routed", request_id=req.request_id, replica_id=choice.replica_id, policy=policy,
+                         revision=revision, attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
+                         queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
                 return
             if ack is None:
@@ -398,13 +420,15 @@ class SchedulerService:
 
     async def _forward(self, req: GenerateRequest, replica_id: str) -> GenerateAck | None:
         try:
-            reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
+            with self.spans.active(req.request_id):  # the engine's spans join this request's trace here
+                reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
             return protocol.decode(GenerateAck, reply.data)
         except Exception as exc:  # timeout, no responders, garbage: treat as a refusal
             log.warning("forward failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
             return None
 
     async def _fail(self, req: GenerateRequest, code: str, message: str) -> None:
+        self.spans.end(req.request_id, code, message)
         await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                         error=ErrorInfo(code=code, message=message)))
 
@@ -421,6 +445,7 @@ class SchedulerService:
             if item.tenant and msg.tenant != item.tenant:
                 return
             queue.remove(msg.request_id)
+            self.spans.end(msg.request_id, ErrorCode.CANCELLED)
             await self.bus.publish(item.payload.reply_to, TokenChunk(request_id=msg.request_id, seq=0,
                                                                      finish_reason="abort"))
             return

@@ -13,8 +13,13 @@ from shared.store import connect_redis
 
 @pytest.fixture
 async def store(infra):
+    """A store on the session's Valkey; the deployments a test made are deleted after it (other
+    tests' gateways and scalers share this Valkey and would serve and scale them)."""
     redis = connect_redis(infra.redis_url)
+    before = set(await deployments.list_names(redis))
     yield DeploymentStore(redis)
+    for name in set(await deployments.list_names(redis)) - before:
+        await DeploymentStore(redis).delete(name)
     await redis.aclose()
 
 

@@ -63,7 +63,17 @@ class Streams:
         self._pool.shutdown()
 
 
-def test_load_step_scales_up_then_back_to_min_without_cutting_streams(managed_stack, tiny_model_dir):
+@pytest.fixture
+def cleanup(managed_stack):
+    """The stack is shared: every deployment a test makes is deleted after it (its engines drain)."""
+    before = {d["name"] for d in managed_stack.client.deployments()["deployments"]}
+    yield
+    for d in managed_stack.client.deployments()["deployments"]:
+        if d["name"] not in before:
+            managed_stack.client.delete(d["name"])
+
+
+def test_load_step_scales_up_then_back_to_min_without_cutting_streams(managed_stack, tiny_model_dir, cleanup):
     stack = managed_stack
     stack.deploy({"name": "elastic", "model": str(tiny_model_dir), "replicas": {"min": 1, "max": 2},
                   "engine": {"max_num_seqs": 4, "debug_step_delay": 0.02}, "slo": {"ttft_ms": 500},
@@ -92,10 +102,9 @@ def test_load_step_scales_up_then_back_to_min_without_cutting_streams(managed_st
     assert all(r == (32, "length") for r in step.done), [r for r in step.done if r != (32, "length")][:5]
     assert all(r == (150, "length") for r in long_streams.done), long_streams.done
     assert any(d["desired"] == 2 for d in scaled_up), scaled_up
-    stack.client.delete("elastic")
 
 
-def test_first_request_at_zero_replicas_waits_for_one_to_start(managed_stack, tiny_model_dir):
+def test_first_request_at_zero_replicas_waits_for_one_to_start(managed_stack, tiny_model_dir, cleanup):
     stack = managed_stack
     stack.deploy({"name": "cold", "model": str(tiny_model_dir), "replicas": {"min": 0, "max": 1},
                   "scaling": {"scale_to_zero_after_s": 3, "stable_window_s": 4, "panic_window_s": 2,
@@ -115,4 +124,3 @@ def test_first_request_at_zero_replicas_waits_for_one_to_start(managed_stack, ti
 
     # Idle past scale_to_zero_after_s: back to zero.
     wait_until(lambda: stack.client.status("cold")["replicas"] == [], 60, "scale to zero")
-    stack.client.delete("cold")
