@@ -43,7 +43,11 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
-    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+    # The parts of -ffast-math that let gcc vectorize the dot products and sums, but not
+    # -ffast-math itself: a shared object built with it sets flush-to-zero for the whole process
+    # that loads it (crtfastmath), changing everyone's floating point.
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+             "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
     # -march=native: the object is only valid on this CPU model, so the CPU is part of the key.
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"strata_cpu_{key}.so"

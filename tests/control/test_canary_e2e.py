@@ -73,6 +73,11 @@ def check_canary_and_rollback(stack, control, tiny_model_dir):
         r2 = stack.deploy(spec(tiny_model_dir, canary={"weight": 20}, engine={"max_num_seqs": 12}))
         assert r2["revision"] == 2 and r2["deployment"]["canary"] == 2
         stack.wait_replicas("canary-demo", 1, revision=2)
+        # The registry says ready a moment before the scheduler has the replica's heartbeat
+        # (until then requests drawn for revision 2 go to revision 1): measure from its first.
+        deadline = time.monotonic() + 20
+        while 2 not in traffic.served and time.monotonic() < deadline:
+            time.sleep(0.05)
 
         start = len(traffic.served)
         deadline = time.monotonic() + 120

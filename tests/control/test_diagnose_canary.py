@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from openai import OpenAI
@@ -20,6 +21,12 @@ def test_a_slow_canary_revision_is_tooling(managed_stack, tiny_model_dir):
         stack.deploy({**base, "canary": {"weight": 50}, "engine": {"debug_step_delay": 0.05}})
         stack.wait_replicas("diag-canary", 1, revision=2)
         client = OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+        # The registry says ready a moment before the scheduler has the replica's heartbeat;
+        # until then a request drawn for revision 2 goes to revision 1.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and client.completions.create(
+                model="diag-canary", prompt="Warm", max_tokens=1, timeout=60).model_extra["strata"]["revision"] != 2:
+            pass
         served = [client.completions.create(model="diag-canary", prompt=f"Canary {i}", max_tokens=6,
                                             extra_body={"ignore_eos": True}, timeout=60).model_extra["strata"]
                   for i in range(30)]
