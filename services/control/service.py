@@ -145,17 +145,7 @@ class ControlService:
             return error_response(ApiError(500, "internal error", "server_error"))
 
     async def _admin(self, request: web.Request) -> ApiKey:
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer <admin key>'", "authentication_error",
-                           None, "invalid_api_key")
-        try:
-            key = await self.keys.lookup(header[7:].strip())
-        except Exception:
-            raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
-                           retry_after=1.0) from None
-        if key is None:
-            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
+        key = await self.keys.authenticate(request.headers.get("Authorization", ""))
         if not key.admin:
             raise ApiError(403, "this API needs an admin key", "permission_error", None, "forbidden")
         structlog.contextvars.bind_contextvars(actor=key.tenant)

@@ -29,7 +29,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.observe import engine_stamps, record_spans
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from shared import protocol, registry, telemetry
+from shared import http, protocol, registry, telemetry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
@@ -117,15 +117,8 @@ class EngineWorker:
                  kv_blocks=engine.block_manager.num_blocks, block_size=args.block_size)
 
     async def _start_http(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._http_metrics)
-        app.router.add_get("/health", self._http_health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.http_url = f"http://{self.cfg.http_host}:{port}"
+        self._runner, self.http_url = await http.serve(
+            {"/metrics": self._http_metrics, "/health": self._http_health}, self.cfg.http_host, self.cfg.http_port)
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain and stop."""

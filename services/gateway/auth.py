@@ -48,6 +48,23 @@ class KeyStore:
         self.cache_size = cache_size  # bounded: random bearer tokens must not grow memory
         self._cache: OrderedDict[str, tuple[ApiKey | None, float]] = OrderedDict()
 
+    async def authenticate(self, authorization: str) -> ApiKey:
+        """The key of an `Authorization: Bearer <key>` header, or an OpenAI-shaped ApiError:
+        401 when missing or unknown, 503 when the key store cannot answer."""
+        from services.gateway.openai_api import ApiError
+
+        if not authorization.startswith("Bearer ") or not authorization[7:].strip():
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                           None, "invalid_api_key")
+        try:
+            key = await self.lookup(authorization[7:].strip())
+        except Exception:
+            raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
+                           retry_after=1.0) from None
+        if key is None:
+            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
+        return key
+
     async def lookup(self, api_key: str) -> ApiKey | None:
         h = hash_key(api_key)
         hit = self._cache.get(h)

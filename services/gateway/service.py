@@ -295,18 +295,7 @@ class GatewayService:
     async def _authenticate(self, request: web.Request) -> ApiKey:
         if not self.cfg.require_auth:
             return ApiKey("", "anonymous", 0, 0)
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                           None, "invalid_api_key")
-        try:
-            key = await self.keys.lookup(header[7:].strip())
-        except Exception:
-            raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
-                           retry_after=1.0) from None
-        if key is None:
-            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
-        return key
+        return await self.keys.authenticate(request.headers.get("Authorization", ""))
 
     # ---- simple routes ----------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from services.scaler.actuators import Actuator
 from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
-from shared import protocol, registry
+from shared import http, protocol, registry
 from shared.bus import Bus
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.logging import get_logger
@@ -109,14 +109,8 @@ class ScalerService:
             ok = self.bus.nc.is_connected and self._task is not None and not self._task.done()
             return web.json_response({"scaler_id": self.cfg.scaler_id, "ok": ok}, status=200 if ok else 503)
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/health", health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
-        await site.start()
-        self.http_url = f"http://{self.cfg.http_host}:{site._server.sockets[0].getsockname()[1]}"
+        self._runner, self.http_url = await http.serve({"/metrics": metrics, "/health": health},
+                                                       self.cfg.http_host, self.cfg.http_port)
 
     async def stop(self) -> None:
         self._task.cancel()

@@ -23,7 +23,7 @@ from services.scheduler.policy import POLICIES, Router, prefix_overlaps
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.replicas import ReplicaView
 from services.scheduler.tracing import RoutingSpans
-from shared import keys, protocol, registry
+from shared import http, keys, protocol, registry
 from shared.deployments import DeploymentWatcher
 from shared.block_hash import prompt_block_hashes
 from shared.bus import Bus
@@ -145,14 +145,8 @@ class SchedulerService:
             return web.json_response({"scheduler_id": self.cfg.scheduler_id, "nats": connected},
                                      status=200 if connected else 503)
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/health", health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port)
-        await site.start()
-        self.http_url = f"http://{self.cfg.http_host}:{site._server.sockets[0].getsockname()[1]}"
+        self._runner, self.http_url = await http.serve({"/metrics": metrics, "/health": health},
+                                                       self.cfg.http_host, self.cfg.http_port)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

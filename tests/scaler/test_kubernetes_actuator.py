@@ -115,5 +115,6 @@ async def test_scaler_scales_a_deployment_from_zero_through_the_api(infra, tiny_
             assert any(m == "PATCH" for m, _, _ in api.calls)
         finally:
             await scaler.stop()
+            await DeploymentStore(redis).delete(name)  # the session's Valkey is shared with other stacks
             await bus.close()
             await redis.aclose()
