@@ -42,6 +42,22 @@ class Scaling:
     panic_window_s: float = 6.0
 
 
+PLACEMENT_PREFERENCES = ("cheapest", "nearest", "pinned")
+
+
+@dataclass
+class Placement:
+    """Where the replicas may run (capacity pools, shared.pools) and which pools come first
+    (services.scaler.placement)."""
+
+    pools: list[str] = field(default_factory=list)  # the pools allowed (empty: every pool)
+    prefer: str = "cheapest"  # cheapest | nearest (pools in `region` first) | pinned (`shares`)
+    region: str = ""  # nearest: the region whose pools come first
+    shares: dict[str, int] = field(default_factory=dict)  # pinned: percent of the replicas per pool
+    min_pools: int = 1  # spread: at least this many pools hold one, once there are that many replicas
+    labels: dict[str, str] = field(default_factory=dict)  # only pools with these labels (accelerator: h100)
+
+
 @dataclass
 class DeploymentSpec:
     name: str
@@ -53,6 +69,7 @@ class DeploymentSpec:
     routing: dict[str, str] = field(default_factory=lambda: {"policy": "kv_aware"})
     canary: dict[str, int] = field(default_factory=lambda: {"weight": 0})
     scaling: Scaling = field(default_factory=Scaling)
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def routing_policy(self) -> str:
@@ -74,7 +91,8 @@ class DeploymentSpec:
         return cls(name=data["name"], model=data["model"], aliases=list(data.get("aliases", [])),
                    engine=dict(data.get("engine", {})), replicas=Replicas(**data.get("replicas", {})),
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
-                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})))
+                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
+                   placement=Placement(**data.get("placement", {})))
 
 
 @dataclass

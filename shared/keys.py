@@ -72,4 +72,12 @@ def deployment_history(name: str) -> str:
 DEPLOYMENTS = f"{PREFIX}:deployments"  # Set: names of deployments stored by control
 
 
+def pool(name: str) -> str:
+    """String: a capacity pool's spec as JSON, with its generation (see shared.pools)."""
+    return f"{PREFIX}:pool:{name}"
+
+
+POOLS = f"{PREFIX}:pools"  # Set: names of capacity pools stored by control
+
+
 MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica

@@ -33,6 +33,8 @@ LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept 
 LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
+CONTROL_POOLS = f"{PREFIX}.control.pools"  # control -> scaler: a capacity pool changed
+SCALER_POOLS = f"{PREFIX}.scaler.pools"  # scaler -> control/dashboard: every pool's use, each tick
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 
 
@@ -340,6 +342,7 @@ class GenerateRequest(Message):
     # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
     timestamps: dict[str, float] = field(default_factory=dict)
     resume: Resume | None = None  # set on the continuation of a stream that lost its replica
+    region: str | None = None  # where the caller is (the gateway's region): routing prefers replicas there
 
     def validate(self) -> None:
         if not self.request_id:
@@ -457,6 +460,8 @@ class Heartbeat(Message):
     itl_p50_s: float | None = None  # recent inter-token latency
     requests_finished: int = 0  # cumulative, by outcome: rates and error ratios per revision
     requests_failed: int = 0
+    region: str = ""  # where the replica runs (routing prefers the request's region)
+    pool: str = ""  # the capacity pool that started it ("" when not started by the scaler's pools)
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")
@@ -545,6 +550,9 @@ class ScalerDecision(Message):
     reason: str = ""
     panic: bool = False
     timestamp: float = 0.0
+    pools: dict[str, int] = field(default_factory=dict)  # capacity pool -> replicas held there
+    short: int = 0  # of `desired`, replicas that no allowed pool can take (all full or refusing)
+    placement: str = ""  # why the replicas are where they are ("spot 3 (full), ondemand 1", ...)
 
 
 @dataclass
@@ -559,3 +567,47 @@ class GatewayStats(Message):
     completed: dict[str, int] = field(default_factory=dict)  # model -> requests completed
     failed: dict[str, int] = field(default_factory=dict)  # model -> requests that ended in an error
     layer_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> layer -> sum
+
+
+@dataclass
+class PoolChanged(Message):
+    """A capacity pool was applied, changed (capacity, cost, ...) or deleted. A hint, like
+    DeploymentChanged: the scaler re-reads the pools from Redis (and resyncs periodically)."""
+
+    name: str
+    action: str  # apply | set | delete
+    generation: int = 0
+
+
+@dataclass
+class PoolReport(Message):
+    """One capacity pool as the scaler sees it."""
+
+    name: str
+    region: str = ""
+    kind: str = ""  # kubernetes | local
+    capacity: int = 0  # replicas the pool may hold (its spec)
+    effective_capacity: int = 0  # what placement uses: less than capacity while it is backed off
+    used: int = 0  # replicas alive there (ready + starting + draining), every deployment
+    ready: int = 0
+    starting: int = 0
+    draining: int = 0
+    cost_per_hour: float = 0.0  # per replica
+    cold_start_s: float = 0.0  # measured (moving average), or the spec's estimate until measured
+    cold_start_measured: bool = False
+    refusals: int = 0  # since the scaler started
+    backoff_s: float = 0.0  # seconds left of its back-off (0: taking replicas)
+    last_refusal: str = ""  # why it last refused
+    deployments: dict[str, int] = field(default_factory=dict)  # deployment -> replicas there
+
+
+@dataclass
+class PoolStatus(Message):
+    """Every capacity pool's use, each scaler tick; `short` names the deployments that want more
+    replicas than their allowed pools can hold."""
+
+    scaler_id: str
+    timestamp: float = 0.0
+    pools: list[PoolReport] = field(default_factory=list)
+    short: dict[str, int] = field(default_factory=dict)  # deployment -> replicas wanted and not placeable
+    wanted: dict[str, int] = field(default_factory=dict)  # deployment -> replicas wanted

@@ -26,6 +26,8 @@ class Settings:
     log_format: str = "auto"  # json | console | auto (json unless stderr is a terminal)
     log_level: str = "info"
     api_key: str = ""
+    region: str = ""  # where this service runs: engines report it, gateways stamp it on requests,
+    # schedulers prefer replicas in the request's region (empty: no region, every replica is near)
 
     @property
     def tiny_model_dir(self) -> Path:
