@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -56,6 +57,69 @@ class Placement:
     shares: dict[str, int] = field(default_factory=dict)  # pinned: percent of the replicas per pool
     min_pools: int = 1  # spread: at least this many pools hold one, once there are that many replicas
     labels: dict[str, str] = field(default_factory=dict)  # only pools with these labels (accelerator: h100)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_placement(raw: Any, errors: list) -> Placement:
+    """A spec's `placement` section (None: the defaults); problems go to `errors` as (field,
+    reason). Pool names are checked against the stored pools by control when it applies a spec
+    (pools are live); the simulator reads the same section from its pools file."""
+    if raw is None:
+        return Placement()
+    if not isinstance(raw, dict):
+        errors.append(("placement", "must be a mapping (pools, prefer, region, shares, min_pools, labels)"))
+        return Placement()
+    known = [f.name for f in dataclasses.fields(Placement)]
+    for key in raw:
+        if key not in known:
+            errors.append((f"placement.{key}", f"unknown field (known: {', '.join(known)})"))
+    out = Placement()
+    pools = raw.get("pools", [])
+    if not isinstance(pools, list) or not all(isinstance(p, str) and _NAME_RE.match(p) for p in pools):
+        errors.append(("placement.pools", "must be a list of pool names"))
+    else:
+        out.pools = list(pools)
+    prefer = raw.get("prefer", "cheapest")
+    if prefer not in PLACEMENT_PREFERENCES:
+        errors.append(("placement.prefer", f"must be one of {', '.join(PLACEMENT_PREFERENCES)}, got {prefer!r}"))
+    else:
+        out.prefer = prefer
+    region = raw.get("region", "")
+    if not isinstance(region, str):
+        errors.append(("placement.region", "must be a region name"))
+    elif prefer == "nearest" and not region:
+        errors.append(("placement.region", "required with prefer: nearest (the region whose pools come first)"))
+    else:
+        out.region = region
+    shares = raw.get("shares", {})
+    if not isinstance(shares, dict) or not all(isinstance(k, str) and _whole(v) and 0 <= v <= 100
+                                               for k, v in shares.items()):
+        errors.append(("placement.shares", "must map pool names to integer percentages"))
+    elif prefer == "pinned" and sum(shares.values()) != 100:
+        errors.append(("placement.shares", f"must add up to 100 with prefer: pinned, got {sum(shares.values())}"))
+    elif shares and prefer != "pinned":
+        errors.append(("placement.shares", "only used with prefer: pinned"))
+    elif out.pools and set(shares) - set(out.pools):
+        errors.append(("placement.shares", f"names pools not in placement.pools: {', '.join(sorted(set(shares) - set(out.pools)))}"))
+    else:
+        out.shares = dict(shares)
+    min_pools = raw.get("min_pools", 1)
+    if not _whole(min_pools) or min_pools < 1:
+        errors.append(("placement.min_pools", f"must be a whole number, 1 or more, got {min_pools!r}"))
+    else:
+        out.min_pools = min_pools
+    labels = raw.get("labels", {})
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        errors.append(("placement.labels", "must be a mapping of strings to strings (e.g. accelerator: h100)"))
+    else:
+        out.labels = dict(labels)
+    return out
 
 
 @dataclass

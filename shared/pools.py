@@ -41,6 +41,8 @@ log = get_logger()
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 ACTUATOR_KINDS = ("kubernetes", "local")
 REDACTED = "(set)"
+DEFAULT_POOL = "default"  # the scaler's own actuator, the one pool while control stores none (reserved)
+UNLIMITED = 2**31 - 1  # the capacity of `default`
 
 
 @dataclass
@@ -110,6 +112,8 @@ def parse_pool(data: Any, extra: tuple[str, ...] = ()) -> PoolSpec:
         errors.append(("name", "required"))
     elif not isinstance(name, str) or not NAME_RE.match(name):
         errors.append(("name", "must be 1-63 letters, digits, '-' or '_', starting with a letter or digit"))
+    elif name == DEFAULT_POOL:
+        errors.append(("name", f"{DEFAULT_POOL!r} is reserved for the scaler's own actuator"))
     region = data.get("region", "")
     if not isinstance(region, str) or (region and not NAME_RE.match(region)):
         errors.append(("region", "must be a name (letters, digits, '-' or '_')"))

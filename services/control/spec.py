@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from services.engine.model_config import ModelConfig
-from shared.deployments import PLACEMENT_PREFERENCES, DeploymentSpec, Placement, Replicas, Scaling, Slo
+from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo, parse_placement
 from services.scheduler.policy import POLICIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
@@ -171,64 +171,10 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     elif not _check_type(canary.get("weight", 0), int) or not 0 <= canary.get("weight", 0) <= 100:
         errors.append(("canary.weight", "must be an integer percentage from 0 to 100"))
 
-    placement = _placement(data.get("placement"), errors)
+    placement = parse_placement(data.get("placement"), errors)
 
     if errors:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement)
 
-
-def _placement(raw: Any, errors: list) -> Placement:
-    """The capacity pools a deployment may use and its preference among them. Pool names are
-    checked against the stored pools by control when it applies the spec (pools are live)."""
-    if raw is None:
-        return Placement()
-    if not isinstance(raw, dict):
-        errors.append(("placement", "must be a mapping (pools, prefer, region, shares, min_pools, labels)"))
-        return Placement()
-    known = [f.name for f in dataclasses.fields(Placement)]
-    for key in raw:
-        if key not in known:
-            errors.append((f"placement.{key}", f"unknown field (known: {', '.join(known)})"))
-    out = Placement()
-    pools = raw.get("pools", [])
-    if not isinstance(pools, list) or not all(isinstance(p, str) and NAME_RE.match(p) for p in pools):
-        errors.append(("placement.pools", "must be a list of pool names"))
-    else:
-        out.pools = list(pools)
-    prefer = raw.get("prefer", "cheapest")
-    if prefer not in PLACEMENT_PREFERENCES:
-        errors.append(("placement.prefer", f"must be one of {', '.join(PLACEMENT_PREFERENCES)}, got {prefer!r}"))
-    else:
-        out.prefer = prefer
-    region = raw.get("region", "")
-    if not isinstance(region, str):
-        errors.append(("placement.region", "must be a region name"))
-    elif prefer == "nearest" and not region:
-        errors.append(("placement.region", "required with prefer: nearest (the region whose pools come first)"))
-    else:
-        out.region = region
-    shares = raw.get("shares", {})
-    if not isinstance(shares, dict) or not all(isinstance(k, str) and _check_type(v, int) and 0 <= v <= 100
-                                               for k, v in shares.items()):
-        errors.append(("placement.shares", "must map pool names to integer percentages"))
-    elif prefer == "pinned" and sum(shares.values()) != 100:
-        errors.append(("placement.shares", f"must add up to 100 with prefer: pinned, got {sum(shares.values())}"))
-    elif shares and prefer != "pinned":
-        errors.append(("placement.shares", "only used with prefer: pinned"))
-    elif out.pools and set(shares) - set(out.pools):
-        errors.append(("placement.shares", f"names pools not in placement.pools: {', '.join(sorted(set(shares) - set(out.pools)))}"))
-    else:
-        out.shares = dict(shares)
-    min_pools = raw.get("min_pools", 1)
-    if not _check_type(min_pools, int) or min_pools < 1:
-        errors.append(("placement.min_pools", f"must be a whole number, 1 or more, got {min_pools!r}"))
-    else:
-        out.min_pools = min_pools
-    labels = raw.get("labels", {})
-    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        errors.append(("placement.labels", "must be a mapping of strings to strings (e.g. accelerator: h100)"))
-    else:
-        out.labels = dict(labels)
-    return out

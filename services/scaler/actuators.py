@@ -1,10 +1,14 @@
-"""Actuators: how the scaler's replica counts become engines. One interface, two backends.
+"""Actuators: how the scaler's replica counts become engines. One interface, two backends; each
+capacity pool (shared.pools) has its own actuator.
 
 - LocalProcessActuator starts and stops engine workers on this machine (the default under
   `strata up`). Scale-down sends SIGTERM to the least-loaded replica: the engine stops taking
-  work, finishes its streams and exits (drain), so no stream is cut.
-- KubernetesActuator sets the scale of a Deployment through the Kubernetes API; the kubelet
-  sends SIGTERM to the pod it removes, and the engine drains the same way.
+  work, finishes its streams and exits (drain), so no stream is cut. With a capacity it is a
+  pool that holds at most that many engines: asked for more, it starts what fits and refuses.
+- KubernetesActuator sets the scale of a Deployment through one cluster's Kubernetes API; the
+  kubelet sends SIGTERM to the pod it removes, and the engine drains the same way. The API
+  refusing a scale-up, or pods it asked for still not ready after a timeout (the cluster has no
+  room for them), is the pool refusing.
 """
 
 from __future__ import annotations
@@ -24,17 +28,38 @@ from typing import Protocol
 import aiohttp
 
 from services.engine.__main__ import engine_flags
+from services.scaler.placement import Held
 from shared.deployments import DeploymentSpec
 from shared.logging import get_logger
 
 log = get_logger()
 
 
+class PoolRefused(RuntimeError):
+    """A pool cannot place what it was asked for: quota exhausted, pods pending past a timeout,
+    the local pool at its limit, the cluster's API refusing or unreachable. `held`: the
+    replicas it holds (every deployment), which placement takes as its capacity for a while."""
+
+    def __init__(self, reason: str, held: int):
+        self.reason, self.held = reason, held
+        super().__init__(reason)
+
+
 class Actuator(Protocol):
     async def scale(self, deployment: str, revision: int, spec: DeploymentSpec, replicas: int,
                     loads: dict[str, int]) -> None:
         """Make `replicas` engines serve this revision; `loads` (replica id -> requests on it)
-        says which to drain first when scaling down."""
+        says which to drain first when scaling down. Raises PoolRefused when it cannot."""
+
+    async def observe(self, deployments: list[str]) -> None:
+        """Read what the pool holds now (before placement, every tick)."""
+
+    def held(self, deployment: str, revision: int) -> Held:
+        """Ready, starting and draining replicas of this revision in the pool."""
+
+    def alive(self) -> int:
+        """Replicas the pool holds for every deployment (ready, starting and draining): what
+        counts against its capacity."""
 
     def starting(self, deployment: str, revision: int, ready: int) -> int:
         """Replicas asked for and not ready yet (capacity on its way); `ready` is how many the
@@ -42,6 +67,10 @@ class Actuator(Protocol):
 
     def note_ready(self, replica_id: str) -> float | None:
         """A replica reported ready; returns its cold-start time in seconds when known."""
+
+    def take_cold_starts(self) -> list[float]:
+        """Cold starts measured since the last call (seconds from asking for a replica to its
+        being ready)."""
 
     def revisions(self, deployment: str) -> set[int]:
         """Revisions that have replicas (so revisions no longer served get scaled to zero)."""
@@ -65,7 +94,11 @@ class LocalProcessActuator:
     log_dir: Path
     extra_args: list[str] = field(default_factory=list)  # given to every engine (e.g. --threads 1)
     stop_timeout: float = 60.0  # drain time allowed at close()
+    capacity: int | None = None  # engines this pool may run, every deployment and draining ones too (None: no limit)
+    pool: str = ""  # the pool's name and region, which its engines report in their heartbeats
+    region: str = ""
     groups: dict[tuple[str, int], dict[str, LocalReplica]] = field(default_factory=dict)
+    _cold_starts: list[float] = field(default_factory=list)
 
     def _reap(self, key: tuple[str, int]) -> dict[str, LocalReplica]:
         group = self.groups.setdefault(key, {})
@@ -77,11 +110,26 @@ class LocalProcessActuator:
                 del group[rid]
         return group
 
+    async def observe(self, deployments: list[str]) -> None:
+        for key in list(self.groups):
+            self._reap(key)
+
+    def alive(self) -> int:
+        return sum(r.proc.poll() is None for g in self.groups.values() for r in g.values())
+
+    def held(self, deployment: str, revision: int) -> Held:
+        group = self._reap((deployment, revision)).values()
+        return Held(ready=sum(r.ready and not r.draining for r in group),
+                    starting=sum(not r.ready and not r.draining for r in group),
+                    draining=sum(r.draining for r in group))
+
     async def scale(self, deployment: str, revision: int, spec: DeploymentSpec, replicas: int,
                     loads: dict[str, int]) -> None:
         group = self._reap((deployment, revision))
         active = [r for r in group.values() if not r.draining]
-        for _ in range(replicas - len(active)):
+        wanted = replicas - len(active)
+        fits = wanted if self.capacity is None else min(wanted, self.capacity - self.alive())
+        for _ in range(max(fits, 0)):
             self._start(deployment, revision, spec, group)
         if len(active) > replicas:
             # Not-ready ones first (nothing to drain), then the least loaded.
@@ -90,30 +138,40 @@ class LocalProcessActuator:
                 replica.draining = True
                 replica.proc.send_signal(signal.SIGTERM)
                 log.info("engine draining", replica_id=replica.replica_id, deployment=deployment, revision=revision,
-                         load=loads.get(replica.replica_id, 0))
+                         load=loads.get(replica.replica_id, 0), pool=self.pool)
+        if fits < wanted:
+            raise PoolRefused(f"local pool at its limit of {self.capacity} engines", held=self.alive())
 
     def _start(self, deployment: str, revision: int, spec: DeploymentSpec, group: dict[str, LocalReplica]) -> None:
         replica_id = f"{deployment}-r{revision}-{uuid.uuid4().hex[:6]}"
+        place = [*(["--pool", self.pool] if self.pool else []), *(["--region", self.region] if self.region else [])]
         args = [sys.executable, "-m", "services.engine", "--model", spec.model, "--replica-id", replica_id,
                 "--deployment", deployment, "--revision", str(revision), "--nats-url", self.nats_url,
-                "--redis-url", self.redis_url, "--log-format", "json", *engine_flags(spec.engine), *self.extra_args]
+                "--redis-url", self.redis_url, "--log-format", "json", *place, *engine_flags(spec.engine),
+                *self.extra_args]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
             proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
         group[replica_id] = LocalReplica(replica_id, proc, time.monotonic())
-        log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid)
+        log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid,
+                 pool=self.pool)
 
     def starting(self, deployment: str, revision: int, ready: int) -> int:
-        group = self._reap((deployment, revision))
-        return sum(not r.ready and not r.draining for r in group.values())
+        return self.held(deployment, revision).starting
 
     def note_ready(self, replica_id: str) -> float | None:
         for group in self.groups.values():
             replica = group.get(replica_id)
             if replica is not None and not replica.ready:
                 replica.ready = True
-                return time.monotonic() - replica.started_at
+                cold = time.monotonic() - replica.started_at
+                self._cold_starts.append(cold)
+                return cold
         return None
+
+    def take_cold_starts(self) -> list[float]:
+        taken, self._cold_starts = self._cold_starts, []
+        return taken
 
     def revisions(self, deployment: str) -> set[int]:
         return {rev for (dep, rev), group in self.groups.items() if dep == deployment and group}
@@ -136,46 +194,112 @@ class LocalProcessActuator:
         self.groups.clear()
 
 
+class KubernetesApiError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)
+
+
 class KubernetesActuator:
-    """Scales the Deployment `<prefix><deployment>` through the Kubernetes API (apps/v1 scale
-    subresource). In a cluster it finds the API server and its token in the pod's service
-    account; outside, api_url and token are given. Revisions are the Deployment's own rollout
-    there: the scaler sets one count per deployment (the sum over revisions)."""
+    """Scales the Deployment `<prefix><deployment>` in one cluster through its Kubernetes API
+    (apps/v1: the Deployment's status for what is ready, its scale subresource to set the
+    count). In a cluster it finds the API server and its token in the pod's service account;
+    outside, api_url and token are given. Revisions are the Deployment's own rollout there: the
+    scaler sets one count per deployment (the sum over revisions).
+
+    Pods asked for and still not ready after `pending_timeout_s` mean the cluster has no room
+    for them (Pending: no GPU, quota): the pool refuses, and so it does when the API refuses a
+    scale-up or cannot be reached. Each replica's time from being asked for to ready is its
+    measured cold start."""
 
     SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
     def __init__(self, api_url: str = "", namespace: str = "", prefix: str = "strata-engine-", token: str = "",
-                 timeout: float = 5.0):
+                 timeout: float = 5.0, pending_timeout_s: float = 300.0, ca_file: str = ""):
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        self.api_url = api_url or (f"https://{host}:{port}" if host else "")
+        self.api_url = (api_url or (f"https://{host}:{port}" if host else "")).rstrip("/")
         if not self.api_url:
             raise ValueError("no Kubernetes API: give --k8s-api-url, or run in a pod")
         self.namespace = namespace or self._read_sa("namespace") or "default"
         self.token = token or self._read_sa("token")
         self.prefix = prefix
+        self.pending_timeout_s = pending_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        ca = self.SA_DIR / "ca.crt"
+        ca = Path(ca_file) if ca_file else self.SA_DIR / "ca.crt"
         self.ssl = ssl.create_default_context(cafile=str(ca)) if ca.exists() else None
         self._session: aiohttp.ClientSession | None = None
         self._wanted: dict[str, dict[int, int]] = {}  # deployment -> revision -> replicas
+        self._status: dict[str, tuple[int, int]] = {}  # deployment -> (spec.replicas, status.readyReplicas)
+        self._asked: dict[str, list[float]] = {}  # deployment -> when each replica of spec.replicas was asked for
+        self._cold_starts: list[float] = []
 
     def _read_sa(self, name: str) -> str:
         path = self.SA_DIR / name
         return path.read_text().strip() if path.exists() else ""
 
+    def _deployment_url(self, deployment: str) -> str:
+        return f"{self.api_url}/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.prefix}{deployment}"
+
     def _url(self, deployment: str) -> str:
-        return f"{self.api_url}/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.prefix}{deployment}/scale"
+        return self._deployment_url(deployment) + "/scale"
 
     async def _request(self, method: str, url: str, json_body: dict | None = None) -> dict:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             self._session = aiohttp.ClientSession(headers=headers, timeout=self.timeout)
         content_type = {"Content-Type": "application/merge-patch+json"} if json_body is not None else {}
-        async with self._session.request(method, url, json=json_body, headers=content_type, ssl=self.ssl) as resp:
-            body = await resp.json(content_type=None)
-            if resp.status >= 400:
-                raise RuntimeError(f"Kubernetes API {method} {url}: {resp.status} {body.get('message', body)}")
-            return body
+        try:
+            async with self._session.request(method, url, json=json_body, headers=content_type, ssl=self.ssl) as resp:
+                body = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    message = body.get("message", body) if isinstance(body, dict) else body
+                    raise KubernetesApiError(resp.status, f"Kubernetes API {method} {url}: {resp.status} {message}")
+                return body
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise KubernetesApiError(0, f"Kubernetes API {method} {url}: {exc.__class__.__name__}: {exc}") from None
+
+    def _note_status(self, deployment: str, replicas: int, ready: int) -> None:
+        """A read of the Deployment: keep one ask time per replica in spec.replicas (oldest
+        first; those the scaler did not ask for count from now), and the cold start of each
+        replica that became ready since the last read."""
+        now = time.monotonic()
+        asked = self._asked.setdefault(deployment, [])
+        asked.extend([now] * (replicas - len(asked)))
+        del asked[replicas:]
+        before = self._status.get(deployment)
+        if before is not None:
+            self._cold_starts.extend(now - t for t in asked[before[1]:min(ready, len(asked))])
+        self._status[deployment] = (replicas, ready)
+
+    async def observe(self, deployments: list[str]) -> None:
+        for deployment in set(deployments) | set(self._wanted):
+            try:
+                body = await self._request("GET", self._deployment_url(deployment))
+            except KubernetesApiError as exc:
+                if exc.status == 404:  # not in this cluster: it holds none
+                    self._status[deployment] = (0, 0)
+                else:  # unreachable: keep the last read; scaling here will tell
+                    log.warning("kubernetes status read failed", deployment=deployment, error=str(exc))
+                continue
+            self._note_status(deployment, int(body.get("spec", {}).get("replicas") or 0),
+                              int(body.get("status", {}).get("readyReplicas") or 0))
+
+    def _ready(self, deployment: str) -> int:
+        return self._status.get(deployment, (0, 0))[1]
+
+    def alive(self) -> int:
+        return sum(replicas for replicas, _ in self._status.values())
+
+    def held(self, deployment: str, revision: int) -> Held:
+        """The Deployment's ready pods, counted to its revisions oldest first (the cluster rolls
+        one Deployment; which revision a pod serves is its own business)."""
+        ready = self._ready(deployment)
+        for rev, n in sorted(self._wanted.get(deployment, {}).items()):
+            mine = min(n, ready)
+            if rev == revision:
+                return Held(ready=mine, starting=n - mine)
+            ready -= mine
+        return Held()
 
     async def scale(self, deployment: str, revision: int, spec: DeploymentSpec, replicas: int,
                     loads: dict[str, int]) -> None:
@@ -184,18 +308,34 @@ class KubernetesActuator:
         if replicas == 0:
             wanted.pop(revision)
         total = sum(wanted.values())
-        scale = await self._request("GET", self._url(deployment))
-        current = int(scale.get("spec", {}).get("replicas", 0))
+        if deployment not in self._status:
+            await self.observe([deployment])
+        current, ready = self._status.get(deployment, (0, 0))
         if current != total:
-            await self._request("PATCH", self._url(deployment), {"spec": {"replicas": total}})
+            try:
+                await self._request("PATCH", self._url(deployment), {"spec": {"replicas": total}})
+            except KubernetesApiError as exc:
+                raise PoolRefused(str(exc), held=self._held_ready()) from None
             log.info("kubernetes deployment scaled", deployment=f"{self.prefix}{deployment}", replicas=total,
-                     was=current)
+                     was=current, api=self.api_url)
+            self._note_status(deployment, total, ready)
+        asked = self._asked.get(deployment, [])
+        if ready < len(asked) and time.monotonic() - asked[ready] > self.pending_timeout_s:
+            raise PoolRefused(f"{len(asked) - ready} pods of {self.prefix}{deployment} not ready after "
+                              f"{self.pending_timeout_s:g}s (no room in the cluster)", held=self._held_ready())
+
+    def _held_ready(self) -> int:
+        return sum(ready for _, ready in self._status.values())
 
     def starting(self, deployment: str, revision: int, ready: int) -> int:
         return max(self._wanted.get(deployment, {}).get(revision, 0) - ready, 0)
 
     def note_ready(self, replica_id: str) -> float | None:
-        return None  # pods start without us: no start time to measure from
+        return None  # pods start without us: the Deployment's status measures the cold start
+
+    def take_cold_starts(self) -> list[float]:
+        taken, self._cold_starts = self._cold_starts, []
+        return taken
 
     def revisions(self, deployment: str) -> set[int]:
         return set(self._wanted.get(deployment, {}))

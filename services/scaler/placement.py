@@ -41,6 +41,19 @@ class PoolLike(Protocol):
     labels: dict[str, str]
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """A pool as placement sees it now (PoolLike), where the figures differ from the spec: the
+    measured cold start, no capacity for a pool being retired, what the oracle knows ahead."""
+
+    name: str
+    region: str
+    capacity: int
+    cost_per_hour: float
+    cold_start_s: float
+    labels: dict
+
+
 @dataclass
 class Held:
     """What one pool holds of one deployment (revision) now."""
