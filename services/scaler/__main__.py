@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from services.scaler.actuators import KubernetesActuator, LocalProcessActuator
+from services.scaler.actuators import KubernetesActuator, LocalProcessActuator, pool_actuator
 from services.scaler.service import ScalerConfig, ScalerService
 from shared import aio, telemetry
 from shared.logging import configure_logging
@@ -19,8 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.scaler", description="Strata autoscaler")
     p.add_argument("--scaler-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--actuator", choices=["local", "kubernetes"], default="local",
-                   help="local: engine processes on this machine; kubernetes: scale Deployments")
+                   help="local: engine processes on this machine; kubernetes: scale Deployments (the one place "
+                        "while control stores no capacity pools; each stored pool has its own actuator)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between decisions")
+    p.add_argument("--pool-backoff", type=float, default=30.0,
+                   help="seconds a capacity pool that refused gets no more replicas (doubles while it keeps refusing)")
+    p.add_argument("--pool-max-backoff", type=float, default=600.0, help="the longest back-off, seconds")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     local = p.add_argument_group("local actuator")
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     if not settings.nats_url or not settings.redis_url:
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
+    log_dir = Path(args.engine_log_dir or settings.home / "logs")
     if args.actuator == "kubernetes":
         try:
             actuator = KubernetesActuator(args.k8s_api_url, args.k8s_namespace, args.k8s_deployment_prefix,
@@ -51,11 +56,20 @@ def main(argv=None) -> int:
             print(str(exc), file=sys.stderr)
             return 2
     else:
-        actuator = LocalProcessActuator(settings.nats_url, settings.redis_url,
-                                        log_dir=Path(args.engine_log_dir or settings.home / "logs"),
-                                        extra_args=args.engine_arg)
-    service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
-                                         http_host=args.http_host, http_port=args.http_port), actuator)
+        actuator = LocalProcessActuator(settings.nats_url, settings.redis_url, log_dir=log_dir,
+                                        extra_args=args.engine_arg, region=settings.region)
+    # Pools stored in control each get their own actuator (local engines take --engine-arg too).
+    def make_actuator(spec):
+        return pool_actuator(spec, settings.nats_url, settings.redis_url, log_dir, args.engine_arg)
+
+    try:
+        service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
+                                             http_host=args.http_host, http_port=args.http_port, region=settings.region,
+                                             pool_backoff_s=args.pool_backoff, pool_max_backoff_s=args.pool_max_backoff),
+                                actuator, make_actuator)
+    except ValueError as exc:  # --pool-backoff / --pool-max-backoff
+        print(f"--pool-backoff, --pool-max-backoff: {exc}", file=sys.stderr)
+        return 2
     aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 

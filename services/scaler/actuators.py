@@ -31,6 +31,7 @@ from services.engine.__main__ import engine_flags
 from services.scaler.placement import Held
 from shared.deployments import DeploymentSpec
 from shared.logging import get_logger
+from shared.pools import PoolSpec
 
 log = get_logger()
 
@@ -215,13 +216,14 @@ class KubernetesActuator:
     SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
     def __init__(self, api_url: str = "", namespace: str = "", prefix: str = "strata-engine-", token: str = "",
-                 timeout: float = 5.0, pending_timeout_s: float = 300.0, ca_file: str = ""):
+                 timeout: float = 5.0, pending_timeout_s: float = 300.0, ca_file: str = "", token_file: str = ""):
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         self.api_url = (api_url or (f"https://{host}:{port}" if host else "")).rstrip("/")
         if not self.api_url:
             raise ValueError("no Kubernetes API: give --k8s-api-url, or run in a pod")
         self.namespace = namespace or self._read_sa("namespace") or "default"
-        self.token = token or self._read_sa("token")
+        self.token = token or ("" if token_file else self._read_sa("token"))
+        self.token_file = token_file  # read when the client connects, so a rotated token is picked up
         self.prefix = prefix
         self.pending_timeout_s = pending_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -245,7 +247,13 @@ class KubernetesActuator:
 
     async def _request(self, method: str, url: str, json_body: dict | None = None) -> dict:
         if self._session is None:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            token = self.token
+            if self.token_file:
+                try:
+                    token = Path(self.token_file).read_text().strip()
+                except OSError as exc:
+                    raise KubernetesApiError(0, f"cannot read the token file {self.token_file}: {exc.strerror}") from None
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._session = aiohttp.ClientSession(headers=headers, timeout=self.timeout)
         content_type = {"Content-Type": "application/merge-patch+json"} if json_body is not None else {}
         try:
@@ -343,3 +351,15 @@ class KubernetesActuator:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def pool_actuator(spec: PoolSpec, nats_url: str, redis_url: str, log_dir: Path,
+                  extra_args: list[str] | None = None) -> Actuator:
+    """The actuator of one capacity pool: its cluster's Kubernetes API, or engine processes on
+    this machine limited to the pool's capacity."""
+    a = spec.actuator
+    if a.kind == "local":
+        return LocalProcessActuator(nats_url, redis_url, log_dir, list(extra_args or []), capacity=spec.capacity,
+                                    pool=spec.name, region=spec.region)
+    return KubernetesActuator(a.api_url, a.namespace, a.deployment_prefix, a.token, pending_timeout_s=a.pending_timeout_s,
+                              ca_file=a.ca_file, token_file=a.token_file)

@@ -184,7 +184,7 @@ class Placer:
         next_pool = next((p for p in order if room[p] > ideal[p]), None)
 
         # Make-before-break: keep replicas beyond the ideal while ideal slots are not ready.
-        everywhere = order + sorted(p for p in held if p not in ideal)
+        everywhere = order + sorted(p for p, h in held.items() if p not in ideal and (h.active or h.draining))
         missing = sum(ideal.values()) - sum(min(held.get(p, Held()).ready, ideal.get(p, 0)) for p in everywhere)
         kept: dict[str, int] = {}
         for p in everywhere:

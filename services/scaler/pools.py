@@ -124,7 +124,8 @@ class PoolSet:
             held = self.held(deployment, revision)
             others = {name: max(pool.actuator.alive() - held[name].active - held[name].draining, 0)
                       for name, pool in self.pools.items()}
-            plan = self.placer.place(wanted, [p.view() for p in self.pools.values()], held, others, prefs, now)
+            views = [p.view() for p in self.pools.values() if not p.retiring]  # retiring: its replicas move away
+            plan = self.placer.place(wanted, views, held, others, prefs, now)
             name = ""
             try:
                 for name, target in plan.steps(held):
