@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate a fleet under the scaler's policy: strata simulate TRACE [options]; "
                         "`strata simulate --help` lists them")
 
+    from services.control.pools_cli import add_pool_commands
+
+    add_pool_commands(sub, _control_args)
     p = sub.add_parser("deploy", help="apply a deployment spec (YAML or JSON; - for stdin): a new revision")
     p.add_argument("file")
     _control_args(p)

@@ -20,7 +20,8 @@ class ControlError(Exception):
         self.status, self.body = status, body
         error = body.get("error", {}) if isinstance(body, dict) else {}
         details = "".join(f"\n  {e['field']}: {e['reason']}" for e in error.get("errors", []))
-        message = error.get("message", str(body)) if not details else "invalid deployment spec:"
+        # With field errors: the message's head ("invalid pool spec:"), then one line per field.
+        message = error.get("message", str(body)) if not details else error.get("message", "").split(":", 1)[0] + ":"
         super().__init__(f"{message}{details}" + ("" if status < 500 else f" (HTTP {status})"))
 
 
@@ -96,3 +97,18 @@ class ControlClient:
                    admin: bool = False) -> dict:
         return self.call("POST", "/api/v1/keys", {"name": name, "rpm": rpm, "tpm": tpm, "priority": priority,
                                                   "admin": admin})
+
+    def pools(self) -> dict:
+        return self.call("GET", "/api/v1/pools")
+
+    def pool(self, name: str) -> dict:
+        return self.call("GET", f"/api/v1/pools/{name}")
+
+    def apply_pools(self, text: str) -> dict:
+        return self.call("POST", "/api/v1/pools", text=text)
+
+    def set_pool(self, name: str, changes: dict) -> dict:
+        return self.call("PATCH", f"/api/v1/pools/{name}", changes)
+
+    def delete_pool(self, name: str) -> dict:
+        return self.call("DELETE", f"/api/v1/pools/{name}")

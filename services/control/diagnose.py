@@ -60,6 +60,20 @@ class EngineFigures:
 
 
 @dataclass
+class PoolFigures:
+    """A capacity pool as the scaler's metrics show it now."""
+
+    name: str
+    capacity: float = 0.0  # its spec
+    effective_capacity: float = 0.0  # less while backed off after a refusal
+    used: float = 0.0
+    ready: float = 0.0
+    backoff_s: float = 0.0
+    refusals: float = 0.0
+    cost_per_hour: float = 0.0  # what its replicas cost per hour, all together
+
+
+@dataclass
 class DeploymentFigures:
     name: str
     requests: float = 0.0  # completed at the gateway in the window
@@ -75,6 +89,9 @@ class DeploymentFigures:
     lookups: float = 0.0
     settings: dict[str, str] = field(default_factory=dict)  # the deployment's stored settings
     replicas: list[EngineFigures] = field(default_factory=list)
+    wanted: float = 0.0  # replicas the scaler wants
+    short: float = 0.0  # of those, replicas no pool the deployment may use can take
+    pools: list[PoolFigures] = field(default_factory=list)  # the capacity pools it may use
 
 
 @dataclass
@@ -286,7 +303,25 @@ def _revisions(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     return None
 
 
-RULES = (_revisions, _admission, _routing, _token_latency, _engine_queue)
+def _capacity_short(d: DeploymentFigures, t: Thresholds) -> Finding | None:
+    """The scaler wants replicas that no pool the deployment may use can take."""
+    if d.short < 1:
+        return None
+    summary = (f"capacity: {d.short:.0f} of the {d.wanted:.0f} replicas the scaler wants cannot be placed: "
+               f"every pool the deployment may use is full or refusing")
+    evidence = [f"pool {p.name}: {p.used:.0f} of {p.effective_capacity:.0f} replicas used"
+                + (f" (capacity {p.capacity:.0f}; backed off {p.backoff_s:.0f} s after refusing)" if p.backoff_s else "")
+                + (f", {p.refusals:.0f} refusals" if p.refusals else "") for p in d.pools]
+    evidence = evidence or ["no capacity pool the deployment may use is reported by the scaler"]
+    if d.requests and d.ttft_sum > 0:
+        evidence.append(f"{d.layers.get('admission_wait', 0.0) / d.ttft_sum:.0%} of TTFT is admission wait")
+    fix = ("raise a pool's capacity (strata pools set POOL --capacity N), add a pool (strata pools apply), or let "
+           "the deployment use more pools (placement.pools)")
+    # Above admission wait, which it causes: the queue is the symptom, the missing capacity the cause.
+    return Finding("infrastructure", "capacity", d.name, summary, evidence, fix, 1.0 + d.short / max(d.wanted, 1.0))
+
+
+RULES = (_revisions, _capacity_short, _admission, _routing, _token_latency, _engine_queue)
 
 
 # ---- state -------------------------------------------------------------------------------------
@@ -311,6 +346,9 @@ def _state(figures: Figures) -> dict[str, list[str]]:
         if d.requests:
             line += (f", {d.requests:.0f} requests, mean TTFT {_ms(d.ttft_sum / d.requests)}, "
                      f"mean e2e {_ms(d.e2e_sum / d.requests)}, admission queue {d.queue_depth:.0f}")
+        if d.pools:
+            line += "; pools " + ", ".join(f"{p.name} {p.used:.0f}/{p.effective_capacity:.0f}" for p in d.pools)
+            line += f" (short {d.short:.0f})" if d.short else ""
         state["infrastructure"].append(line)
         revisions = sorted({r.revision for r in d.replicas if r.revision})
         settings = ", ".join(f"{k}={v}" for k, v in sorted(d.settings.items()))

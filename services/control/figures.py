@@ -15,7 +15,7 @@ import asyncio
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.control.diagnose import DeploymentFigures, EngineFigures, Figures, ServiceFigures
+from services.control.diagnose import DeploymentFigures, EngineFigures, Figures, PoolFigures, ServiceFigures
 from shared import deployments, keys, registry
 from shared.layers import LAYER_NAMES
 from shared.metrics_history import WINDOW_HEADER
@@ -73,6 +73,8 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
                 settings[name] = {"stable": str(s.stable), "routing_policy": s.routing_policy,
                                   "min_replicas": str(d.stable_spec.replicas.min),
                                   "max_replicas": str(d.stable_spec.replicas.max)}
+                if d.stable_spec.placement.pools:
+                    settings[name]["pools"] = ",".join(d.stable_spec.placement.pools)
                 if s.canary:
                     settings[name].update(canary=str(s.canary), canary_weight=f"{s.canary_weight}%")
         return engines, services, settings
@@ -131,6 +133,20 @@ def _deployment(name: str, settings: dict[str, str], gateways: list[Samples], sc
     return d
 
 
+def _pools(scalers: list[Samples]) -> dict[str, PoolFigures]:
+    """The capacity pools the scalers report (strata:pool_* gauges)."""
+    out: dict[str, PoolFigures] = {}
+    for s in scalers:
+        for name, capacity in s.by("strata:pool_capacity_replicas", "pool").items():
+            out[name] = PoolFigures(name, capacity, s.total("strata:pool_effective_capacity_replicas", pool=name),
+                                    s.total("strata:pool_used_replicas", pool=name),
+                                    s.total("strata:pool_ready_replicas", pool=name),
+                                    s.total("strata:pool_backoff_seconds", pool=name),
+                                    s.total("strata:pool_refusals_total", pool=name),
+                                    s.total("strata:pool_cost_per_hour", pool=name))
+    return out
+
+
 async def gather(redis_url: str, since: float, gateway_urls: list[str] | None = None,
                  timeout: float = 3.0) -> Figures:
     engines, services, settings = await _registered(redis_url)
@@ -146,11 +162,18 @@ async def gather(redis_url: str, since: float, gateway_urls: list[str] | None = 
         found = (scraped.get(f.get("http_url", "")) for f in services[kind].values())
         return [s for s in found if s is not None]
 
-    gateways, schedulers = samples("gateway"), samples("scheduler")
+    gateways, schedulers, scalers = samples("gateway"), samples("scheduler"), samples("scaler")
     replicas = [_engine(r, f, scraped.get(f.get("http_url", ""))) for r, f in sorted(engines.items())]
     names = sorted({r.deployment for r in replicas} | set(settings))
     deployments = [_deployment(n, settings.get(n, {}), gateways, schedulers,
                                [r for r in replicas if r.deployment == n]) for n in names]
+    pools = _pools(scalers)
+    for d in deployments:
+        for s in scalers:
+            d.wanted += s.total("strata:pool_wanted_replicas", deployment=d.name)
+            d.short += s.total("strata:pool_short_replicas", deployment=d.name)
+        allowed = d.settings.get("pools", "").split(",") if d.settings.get("pools") else list(pools)
+        d.pools = [pools[p] for p in allowed if p in pools]
     service_figures = []
     for kind, instances in services.items():
         for instance, fields in sorted(instances.items()):

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.layers import LAYERS as REQUEST_LAYERS
-from shared.protocol import GatewayStats, Heartbeat, SchedulerStats, ScalerDecision
+from shared.protocol import GatewayStats, Heartbeat, PoolStatus, SchedulerStats, ScalerDecision
 
 HISTORY_POINTS = 300  # samples kept per deployment (10 minutes at one every 2 s)
 # The parts of a request's time by the component that owns them (shared.layers). Control, the
@@ -47,6 +47,7 @@ class FleetView:
         self.history: dict[str, deque[Sample]] = {}
         self._last_counts: dict[str, tuple[int, int]] = {}  # replica id -> (finished, failed) at last sample
         self._last_sample_at: float | None = None
+        self.pools: dict[str, tuple[float, PoolStatus]] = {}  # scaler id -> (seen, its latest pool report)
 
     def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
         self.replicas[hb.replica_id] = (time.monotonic() if now is None else now, hb)
@@ -65,6 +66,15 @@ class FleetView:
 
     def on_scaler_decision(self, decision: ScalerDecision) -> None:
         self.scaler[(decision.deployment, decision.revision)] = decision
+
+    def on_pool_status(self, status: PoolStatus, now: float | None = None) -> None:
+        self.pools[status.scaler_id] = (time.monotonic() if now is None else now, status)
+
+    def pool_status(self, now: float | None = None) -> PoolStatus | None:
+        """The capacity pools as the scaler last reported them (the freshest scaler's report)."""
+        now = time.monotonic() if now is None else now
+        fresh = [(seen, s) for seen, s in self.pools.values() if now - seen <= self.stale_after]
+        return max(fresh, key=lambda f: f[0])[1] if fresh else None
 
     def live_replicas(self, deployment: str, now: float | None = None) -> list[Heartbeat]:
         now = time.monotonic() if now is None else now
@@ -150,7 +160,8 @@ class FleetView:
             "latency": {"ttft_p90_s": latest.ttft_p90_s if latest else None,
                         "itl_p50_s": latest.itl_p50_s if latest else None},
             "scaler": [{"revision": rev, "desired": d.desired, "ready": d.ready, "starting": d.starting,
-                        "reason": d.reason, "panic": d.panic}
+                        "reason": d.reason, "panic": d.panic, "pools": d.pools, "short": d.short,
+                        "placement": d.placement}
                        for (name, rev), d in sorted(self.scaler.items()) if name == deployment],
         }
 

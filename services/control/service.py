@@ -20,13 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from services.control import spec as specs
 from services.control.fleet import FleetView
+from services.control.pools import PoolStore
+from services.control.pools_api import PoolsApi, unknown_pools
 from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyStore, create_key
 from services.gateway.openai_api import ApiError, error_response
 from shared import deployments, protocol, registry
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
+from shared.pools import PoolSpecError
+from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, PoolStatus, ScalerDecision, SchedulerStats
 from shared.store import connect_redis
 
 log = get_logger()
@@ -64,10 +67,12 @@ class ControlService:
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
+        self.pools = PoolsApi(PoolStore(self.redis), self.fleet, lambda: self.bus, self._admin)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
         await self.bus.subscribe(protocol.GATEWAY_STATS_ALL, GatewayStats, self._on_gateway_stats)
+        await self.bus.subscribe(protocol.SCALER_POOLS, PoolStatus, self._on_pool_status)
         self._sampler = asyncio.create_task(self._sample_loop())
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
@@ -98,6 +103,9 @@ class ControlService:
     async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
         self.fleet.on_gateway_stats(stats)
 
+    async def _on_pool_status(self, status: PoolStatus, _raw) -> None:
+        self.fleet.on_pool_status(status)
+
     async def _sample_loop(self) -> None:
         while True:
             self.fleet.sample()
@@ -120,6 +128,7 @@ class ControlService:
         app.router.add_get("/api/v1/deployments/{name}/history", self.history)
         app.router.add_post("/api/v1/keys", self.create_key)
         app.router.add_get("/api/v1/overview", self.overview)
+        self.pools.add_routes(app.router)
         return app
 
     @web.middleware
@@ -128,8 +137,9 @@ class ControlService:
             return await handler(request)
         except ApiError as exc:
             return error_response(exc)
-        except specs.SpecError as exc:
-            response = error_response(ApiError(400, f"invalid deployment spec: {exc}", "invalid_request_error",
+        except (specs.SpecError, PoolSpecError) as exc:
+            what = "pool" if isinstance(exc, PoolSpecError) else "deployment"
+            response = error_response(ApiError(400, f"invalid {what} spec: {exc}", "invalid_request_error",
                                                exc.errors[0][0], "invalid_spec"))
             body = json.loads(response.body)
             body["error"]["errors"] = [{"field": f, "reason": r} for f, r in exc.errors]
@@ -193,6 +203,10 @@ class ControlService:
         data = specs.parse_spec(text)
         loop = asyncio.get_running_loop()  # reads the model's config.json: off the loop
         spec = await loop.run_in_executor(None, specs.validate, data)
+        if spec.placement.pools or spec.placement.shares:  # pools are live: they must exist when named
+            errors = unknown_pools(spec.placement, set(await self.pools.store.list()))
+            if errors:
+                raise specs.SpecError(errors)
         state = await self.store.apply(spec, actor=key.tenant)
         await self._announce(spec.name, "apply", state)
         return web.json_response({"deployment": asdict(state), "revision": state.latest}, status=201)
@@ -293,4 +307,4 @@ class ControlService:
             out.append({"name": name, "deployment": asdict(state) if state else None,
                         "serving": state.serving() if state else {}, **self.fleet.status(name),
                         "series": self.fleet.series(name), "layers": self.fleet.layers(name)})
-        return web.json_response({"at": time.time(), "deployments": out})
+        return web.json_response({"at": time.time(), "deployments": out, "pools": await self.pools.overview()})
