@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=5.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--pool", default=os.environ.get("STRATA_POOL", ""),
+                   help="the capacity pool that runs this engine (env STRATA_POOL; set by the scaler's pools)")
     e = p.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
                        deployment=args.deployment or protocol.served_model_name(settings.model), revision=args.revision,
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,
                        http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
-                       drain_timeout=args.drain_timeout, engine_args=engine_args)
+                       drain_timeout=args.drain_timeout, engine_args=engine_args, region=settings.region,
+                       pool=args.pool)
 
     exit_code = [0]
 

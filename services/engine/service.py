@@ -55,6 +55,8 @@ class WorkerConfig:
     drain_timeout: float = 30.0
     engine_args: dict = field(default_factory=dict)
     revision: int = 0
+    region: str = ""  # where it runs, and the capacity pool that started it (reported in heartbeats)
+    pool: str = ""
 
 
 def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
@@ -312,7 +314,7 @@ class EngineWorker:
             max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,
             timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self.metrics.recent_ttft.quantile(0.9),
             itl_p50_s=self.metrics.recent_itl.quantile(0.5), requests_finished=self.metrics.finished_total,
-            requests_failed=self.metrics.failed_total)
+            requests_failed=self.metrics.failed_total, region=self.cfg.region, pool=self.cfg.pool)
 
     def _update_rate(self) -> None:
         now, tokens = time.monotonic(), self.engine.tokens_generated

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
-                        args.gateway_id, not args.no_auth, args.request_timeout)
+                        args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region)
 
     aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
                                aio.serve_until_signalled(GatewayService(cfg))))

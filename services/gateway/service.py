@@ -54,6 +54,7 @@ class GatewayConfig:
     require_auth: bool = True
     request_timeout: float = 600.0  # default deadline; header Strata-Timeout (seconds) overrides
     scheduler_ack_timeout: float = 2.0
+    region: str = ""  # stamped on every request: schedulers prefer replicas in the caller's region
 
 
 @dataclass
@@ -391,7 +392,7 @@ class GatewayService:
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
                               prompt_token_ids=ids, sampling=parsed.sampling, deadline=arrival + timeout,
                               tenant=key.tenant, priority=key.priority,
-                              timestamps={"gateway_received": arrival})
+                              timestamps={"gateway_received": arrival}, region=self.cfg.region or None)
         tracing.annotate_request(gen, parsed.stream)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue

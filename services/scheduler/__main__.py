@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from services.scheduler.regions import DEFAULT_PENALTY_S
 from services.scheduler.service import SchedulerConfig, SchedulerService
 from shared import aio, telemetry
 from shared.logging import configure_logging
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-weight", type=float, default=4.0,
                    help="kv_aware: blocks of prefill that one request of load on a replica is worth")
     p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--inter-region-penalty-ms", type=float, default=DEFAULT_PENALTY_S * 1e3,
+                   help="route out of the request's region only when the queueing avoided exceeds this")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="/metrics and /health (0: any free port)")
     Settings.add_arguments(p)
@@ -38,11 +41,15 @@ def main(argv=None) -> int:
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
 
+    if args.inter_region_penalty_ms < 0:
+        print("--inter-region-penalty-ms must not be negative", file=sys.stderr)
+        return 2
     policies = dict(item.split("=", 1) for item in args.policy_for)
     service = SchedulerService(SchedulerConfig(
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
         load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
-        http_host=args.http_host, http_port=args.http_port))
+        http_host=args.http_host, http_port=args.http_port, region=settings.region,
+        inter_region_penalty_s=args.inter_region_penalty_ms / 1e3))
     aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service)))
     return 0
 

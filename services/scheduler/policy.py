@@ -32,6 +32,8 @@ class ReplicaState:
     accepted_reported: int = 0  # the accepted_total of its last report
     last_seen: float = 0.0
     revision: int = 0  # deployment revision it serves (0: unmanaged)
+    region: str = ""  # where it runs ("": near every request)
+    finish_rate: float = 0.0  # requests it finishes per second (moving average of its reports)
 
     @property
     def load(self) -> int:

@@ -9,11 +9,14 @@ from shared.protocol import Heartbeat
 
 
 class ReplicaView:
+    RATE_WINDOW_S = 2.0  # finish rates are measured over reports at least this far apart
+
     def __init__(self, stale_after: float = 5.0, avoid_for: float = 5.0):
         self.stale_after = stale_after
         self.avoid_for = avoid_for
         self.replicas: dict[str, dict[str, ReplicaState]] = {}  # model -> replica id -> state
         self._avoid_until: dict[str, float] = {}
+        self._finished: dict[str, tuple[float, int]] = {}  # replica id -> (report time, requests ended) baseline
 
     def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -22,9 +25,22 @@ class ReplicaView:
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
+        r.region = hb.region
         r.reported(hb.accepted_total)
         r.last_seen = now
         per_model[hb.replica_id] = r
+        self._note_finished(r, hb.timestamp, hb.requests_finished + hb.requests_failed)
+
+    def _note_finished(self, r: ReplicaState, at: float, ended: int) -> None:
+        """The replica's finish rate (requests ended per second, smoothed), from its cumulative count."""
+        before = self._finished.get(r.replica_id)
+        if before is None or ended < before[1] or at < before[0]:  # first report, or the engine restarted
+            self._finished[r.replica_id] = (at, ended)
+            return
+        if at - before[0] >= self.RATE_WINDOW_S:
+            rate = (ended - before[1]) / (at - before[0])
+            r.finish_rate = rate if r.finish_rate == 0 else 0.5 * r.finish_rate + 0.5 * rate
+            self._finished[r.replica_id] = (at, ended)
 
     def sync_registry(self, model: str, live: dict[str, dict[str, str]], now: float | None = None) -> None:
         """Align with the registry: forget replicas whose lease is gone (killed, partitioned,
@@ -41,7 +57,7 @@ class ReplicaView:
                     waiting=int(fields.get("waiting", 0)), kv_blocks_used=int(fields.get("kv_blocks_used", 0)),
                     kv_blocks_total=int(fields.get("kv_blocks_total", 1)),
                     block_size=int(fields.get("block_size", 16)), max_num_seqs=int(fields.get("max_num_seqs", 64)),
-                    revision=int(fields.get("revision", 0)), last_seen=now)
+                    revision=int(fields.get("revision", 0)), region=fields.get("region", ""), last_seen=now)
 
     def avoid(self, replica_id: str, now: float | None = None) -> None:
         """Keep a replica that just failed out of routing for a while."""

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.regions import DEFAULT_PENALTY_S, rank_across_regions
 from services.scheduler.replicas import ReplicaView
 from services.scheduler.tracing import RoutingSpans
 from shared import http, keys, protocol, registry
@@ -52,6 +53,8 @@ class SchedulerConfig:
     http_port: int = 0  # /metrics and /health (0: any free port)
     lease_ttl: float = 5.0
     seed: int | None = None
+    region: str = ""  # this scheduler's region: requests that name none are from here
+    inter_region_penalty_s: float = DEFAULT_PENALTY_S  # cross only when the queueing avoided is worth more
 
 
 def away_from_the_lost_replica(req: GenerateRequest, candidates: list) -> list:
@@ -83,6 +86,8 @@ class SchedulerMetrics:
                                     ["model_name"], registry=r)
         self.index_events = Counter("strata:scheduler_kv_event_batches", "KV event batches by outcome.",
                                     ["outcome"], registry=r)
+        self.cross_region = Counter("strata:scheduler_cross_region", "Requests routed out of their region.",
+                                    ["model_name", "from_region", "to_region"], registry=r)
 
 
 class SchedulerService:
@@ -378,7 +383,10 @@ class SchedulerService:
                     overlaps = prefix_overlaps(holders, [r.replica_id for r in candidates])
                 except Exception as exc:  # Redis away: route on load alone
                     log.warning("prefix index unavailable", error=str(exc))
-            ranked = self.router.rank(policy, candidates, len(hashes), overlaps)
+            region = req.region or self.cfg.region
+            choice_of_region = rank_across_regions(self.router, policy, candidates, region,
+                                                   self.cfg.inter_region_penalty_s, len(hashes), overlaps)
+            ranked = choice_of_region.ranked
             decision = ranked[0]
             self.spans.decided(req, ranked, attempt, revision)
             choice = decision.replica
@@ -390,10 +398,13 @@ class SchedulerService:
             if ack is not None and ack.accepted:
                 choice.acknowledged(ack.accepted_seq)
                 self.metrics.decisions.labels(req.model, policy, "routed", str(revision)).inc()
+                if choice_of_region.crossed:
+                    self.metrics.cross_region.labels(req.model, region, choice.region).inc()
                 if overlaps:  # what was looked up: the chosen replica's share against the best one's
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                     self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
                 log.info("routed", request_id=req.request_id, replica_id=choice.replica_id, policy=policy,
+                         region=choice.region or None, crossed=choice_of_region.reason or None,
                          revision=revision, attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
                          queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
