@@ -200,6 +200,7 @@ class LocalStack:
     scaler: bool = False
     control_port: int = 0
     scaler_args: list[str] = field(default_factory=list)
+    pools: list[dict] | None = None  # capacity pools applied through control once it is up (shared.pools)
     infra: LocalInfra | None = None
     services: dict[str, subprocess.Popen] = field(default_factory=dict)
     base_url: str = ""
@@ -234,6 +235,8 @@ class LocalStack:
                                        "--engine-log-dir", str(self.log_dir), *self.scaler_args, *common])
             self.api_key = self._ensure_key()
             self.wait_ready(timeout)
+            if self.pools:
+                self.apply_pools(self.pools)
         except BaseException:
             self.stop()
             raise
@@ -304,6 +307,12 @@ class LocalStack:
         import json
 
         return self.client.deploy(spec if isinstance(spec, str) else json.dumps(spec))
+
+    def apply_pools(self, pools: list[dict]) -> dict:
+        """Store capacity pools through control (the scaler gives each its actuator)."""
+        import json
+
+        return self.client.apply_pools(json.dumps({"pools": pools}))
 
     def wait_replicas(self, deployment: str, ready: int, timeout: float = 120.0, revision: int | None = None) -> None:
         """Until `ready` replicas of the deployment (of one revision, if given) are ready."""

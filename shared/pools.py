@@ -168,9 +168,11 @@ def _parse_actuator(raw: Any, errors: list) -> ActuatorSpec:
             errors.append(("actuator.api_url", "must be an http(s) URL"))
         if values.get("token") and values.get("token_file"):
             errors.append(("actuator.token", "give token or token_file, not both"))
-    elif set(values) - {"kind", "pending_timeout_s"}:
-        extra = sorted(set(values) - {"kind", "pending_timeout_s"})
-        errors.append((f"actuator.{extra[0]}", "only kubernetes pools take cluster settings"))
+    else:  # a stored spec reads back with every field: the defaults are no settings
+        default = ActuatorSpec()
+        extra = sorted(k for k in set(values) - {"kind", "pending_timeout_s"} if values[k] != getattr(default, k))
+        if extra:
+            errors.append((f"actuator.{extra[0]}", "only kubernetes pools take cluster settings"))
     return ActuatorSpec(**values)
 
 

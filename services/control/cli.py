@@ -36,9 +36,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     name = served_model_name(model_dir)
+    try:
+        pools = up_pools(args.pools)
+    except (OSError, ValueError) as exc:
+        print(f"--pools: {exc}", file=sys.stderr)
+        return 2
     stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
                        redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
-                       deployment=name, control=True, scaler=True, control_port=args.control_port)
+                       deployment=name, control=True, scaler=True, control_port=args.control_port, pools=pools)
     with stack:
         stack.deploy({"name": name, "model": model_dir,
                       "replicas": {"min": args.engines, "max": max(args.max_engines, args.engines)}})
@@ -55,10 +60,42 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
               f"  status:   strata status {name}\n"
+              + (f"  pools:    {', '.join(p['name'] for p in pools)} (strata pools; strata pools set NAME --capacity N)\n"
+                 if pools else "") +
               f"Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
     return 0
+
+
+DEMO_POOLS = [  # `strata up --pools`: failover on one machine
+    {"name": "local-a", "region": "local", "capacity": 1, "cost_per_hour": 1.0, "cold_start_s": 10,
+     "labels": {"accelerator": "cpu"}, "actuator": {"kind": "local"}},
+    {"name": "local-b", "region": "local", "capacity": 2, "cost_per_hour": 2.0, "cold_start_s": 10,
+     "labels": {"accelerator": "cpu"}, "actuator": {"kind": "local"}},
+]
+
+
+def up_pools(spec: str | None) -> list[dict] | None:
+    """The pools `strata up --pools [FILE]` applies: the file's (checked here, so a bad file
+    fails before anything starts), or the demo's two local pools."""
+    if spec is None:
+        return None
+    if spec == "demo":
+        return DEMO_POOLS
+    import yaml
+
+    from shared.pools import PoolSpecError, parse_pools
+
+    try:
+        data = yaml.safe_load(open(spec).read())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{spec}: not valid YAML: {exc}") from None
+    try:
+        pools = parse_pools(data)
+    except PoolSpecError as exc:
+        raise ValueError(f"{spec}: {exc}") from None
+    return [{k: v for k, v in p.to_dict().items() if k != "generation"} for p in pools]
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -201,6 +238,8 @@ def render_status(d: dict) -> str:
     for s in d.get("scaler", []):
         lines.append(f"  scaler:     r{s['revision']} desired {s['desired']} (ready {s['ready']}, "
                      f"starting {s['starting']}){' PANIC' if s['panic'] else ''}: {s['reason']}")
+        if set(s.get("pools") or {}) - {"default"} or s.get("short"):  # capacity pools in use
+            lines.append(f"  pools:      {s['placement']}")
     lines.append("")
     lines.append(_table([[r["replica_id"], f"r{r['revision']}", r["state"], r["running"], r["waiting"],
                           f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"]]
@@ -300,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-engines", type=int, default=2, help="most engines the scaler may run")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--control-port", type=int, default=8081)
+    p.add_argument("--pools", nargs="?", const="demo", metavar="FILE",
+                   help="capacity pools (a YAML file as `strata pools apply` reads; without FILE two local pools, "
+                        "local-a of 1 engine and local-b of 2, dearer: the overflow and failover go to local-b)")
     Settings.add_arguments(p)
     p.set_defaults(func=cmd_up)
 

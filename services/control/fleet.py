@@ -153,7 +153,7 @@ class FleetView:
                           "kv_usage": round(hb.kv_blocks_used / max(hb.kv_blocks_total, 1), 3),
                           "tokens_per_s": round(hb.tokens_per_s, 1), "ttft_p90_s": hb.ttft_p90_s,
                           "itl_p50_s": hb.itl_p50_s, "finished": hb.requests_finished,
-                          "failed": hb.requests_failed} for hb in live],
+                          "failed": hb.requests_failed, "pool": hb.pool, "region": hb.region} for hb in live],
             "queue": {"depth": depth, "oldest_wait_s": round(wait, 3)},
             "throughput": {"requests_per_s": round(latest.request_rate, 2) if latest else 0.0,
                            "tokens_per_s": round(sum(hb.tokens_per_s for hb in live), 1)},

@@ -38,9 +38,15 @@ def unknown_pools(placement: Placement, known: set[str]) -> list[tuple[str, str]
 
 
 class PoolsApi:
-    def __init__(self, store: PoolStore, fleet: FleetView, bus: Callable[[], Bus],
+    """`redis` and `bus` are called when a request comes (the service connects them at start)."""
+
+    def __init__(self, redis: Callable[[], object], fleet: FleetView, bus: Callable[[], Bus],
                  admin: Callable[[web.Request], Awaitable[object]]):
-        self.store, self.fleet, self.bus, self.admin = store, fleet, bus, admin
+        self.redis, self.fleet, self.bus, self.admin = redis, fleet, bus, admin
+
+    @property
+    def store(self) -> PoolStore:
+        return PoolStore(self.redis())
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/api/v1/pools", self.list)

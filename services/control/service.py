@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from services.control import spec as specs
 from services.control.fleet import FleetView
-from services.control.pools import PoolStore
 from services.control.pools_api import PoolsApi, unknown_pools
 from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyStore, create_key
@@ -59,6 +58,7 @@ class ControlService:
                                registry=self.registry)
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
+        self.pools = PoolsApi(lambda: self.redis, self.fleet, lambda: self.bus, self._admin)
         self.url = ""
 
     async def start(self) -> None:
@@ -67,7 +67,6 @@ class ControlService:
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
-        self.pools = PoolsApi(PoolStore(self.redis), self.fleet, lambda: self.bus, self._admin)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)

@@ -27,6 +27,15 @@ Three ways to provision, each run on the same trace:
   coming ticks needs, starting them a cold start ahead and draining them as soon as the load
   falls. It runs at the same target concurrency per replica as the policy, so the ratio of
   replica-hours measures what not knowing the future costs, nothing else.
+
+With capacity pools (`--pools FILE`) the count is placed across them by the scaler's own
+placement policy (services/scaler/placement.py): each pool has a cost per replica-hour, a cold
+start, a capacity as its spec says, and outages (what it really has for a while), which the
+policy learns only when the pool refuses a start. An outage takes back the replicas beyond what
+is left; their streams continue on other replicas from the tokens already delivered, as the
+gateway's resume does. The scenarios are then pooled (every pool), single-pool (the preferred
+pool alone: one actuator in one place) and the oracle, which also knows the outages ahead and
+places on what each pool will really have; cost is replica-hours at each pool's price.
 """
 
 from __future__ import annotations

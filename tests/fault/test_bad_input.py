@@ -183,6 +183,8 @@ def targets(stack) -> list[tuple[str, str, type]]:
         "scheduler_stats": (protocol.scheduler_stats("fuzzed-scheduler"), protocol.SchedulerStats),
         "CONTROL_DEPLOYMENTS": (protocol.CONTROL_DEPLOYMENTS, protocol.DeploymentChanged),
         "SCALER_STATUS": (protocol.SCALER_STATUS, protocol.ScalerDecision),
+        "CONTROL_POOLS": (protocol.CONTROL_POOLS, protocol.PoolChanged),
+        "SCALER_POOLS": (protocol.SCALER_POOLS, protocol.PoolStatus),
         "GATEWAY_STATS_ALL": (protocol.gateway_stats("gateway-0"), protocol.GatewayStats),
         "gateway_stats": (protocol.gateway_stats("fuzzed-gateway"), protocol.GatewayStats),
         "engine_generate": (protocol.engine_generate(replica), protocol.GenerateRequest),
