@@ -22,6 +22,10 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.25
     cpu_kv_cache_max_bytes: int = 2 << 30
     enable_cuda_graphs: bool = True
+    # Defaults for a request's unset sampling fields: "auto" takes the model directory's
+    # generation_config.json (as vLLM does), "vllm" (or "none") the built-in ones, or a directory
+    # holding a generation_config.json.
+    generation_config: str = "auto"
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default, one per core)
     # Test-only: sleep this long in every step, to make a slow runtime on purpose.
