@@ -61,10 +61,15 @@ def _build() -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(target))
-    fn = lib.strata_paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.strata_paged_decode_attention_f32, lib.strata_paged_decode_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
+
+
+# Cache dtypes the decode kernel reads, and its entry point for each.
+DECODE_DTYPES = {torch.float32: "strata_paged_decode_attention_f32",
+                 torch.bfloat16: "strata_paged_decode_attention_bf16"}
 
 
 def load() -> ctypes.CDLL | None:
@@ -83,19 +88,20 @@ def load() -> ctypes.CDLL | None:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the paged cache (fp32 CPU tensors); same contract as the Triton kernel."""
+    """Decode attention over the paged cache (fp32 or bf16 CPU tensors, all of one dtype); same
+    contract as the Triton kernel."""
     lib = load()
     if lib is None:
         raise RuntimeError("CPU kernels unavailable (no C compiler)")
     for t in (query, k_cache, v_cache):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 CPU tensors")
+        if t.dtype != query.dtype or t.dtype not in DECODE_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 or bf16 CPU tensors of one dtype")
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query) if out is None else out
-    rc = lib.strata_paged_decode_attention_f32(
+    rc = getattr(lib, DECODE_DTYPES[query.dtype])(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1] if block_tables.dim() == 2 else 0, float(scale), torch.get_num_threads())

@@ -13,10 +13,12 @@ import torch
 from kernels.reference import compute_cos_sin_cache
 from services.engine.attention import AttentionMetadata
 from services.engine.checkpoint import Checkpoint
+from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
 
-# Per-layer tensors, in the order LlamaLayer holds them.
-LAYER_TENSORS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")
+# Per-layer linear layers and norm weights, as LlamaLayer names them.
+LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
+LAYER_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 
 class LlamaLayer:
@@ -24,11 +26,11 @@ class LlamaLayer:
                  device: torch.device):
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         proj = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
-        self.qkv = ckpt.fused([f"{p}.weight" for p in proj], dtype, device)
-        self.qkv_bias = ckpt.fused([f"{p}.bias" for p in proj], dtype, device) if config.attention_bias else None
-        self.o = ckpt.get(f"{a}.o_proj.weight", dtype, device)
-        self.gate_up = ckpt.fused([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], dtype, device)
-        self.down = ckpt.get(f"{m}.down_proj.weight", dtype, device)
+        self.qkv = Linear(ckpt.fused([f"{p}.weight" for p in proj], dtype, device),
+                          ckpt.fused([f"{p}.bias" for p in proj], dtype, device) if config.attention_bias else None)
+        self.o = Linear(ckpt.get(f"{a}.o_proj.weight", dtype, device))
+        self.gate_up = Linear(ckpt.fused([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], dtype, device))
+        self.down = Linear(ckpt.get(f"{m}.down_proj.weight", dtype, device))
         self.input_norm = ckpt.get(f"{prefix}.input_layernorm.weight", dtype, device)
         self.post_norm = ckpt.get(f"{prefix}.post_attention_layernorm.weight", dtype, device)
         self.q_norm = ckpt.get(f"{a}.q_norm.weight", dtype, device) if config.qk_norm else None
@@ -40,10 +42,9 @@ class LlamaModel:
         self.config, self.dtype, self.device, self.ops = config, dtype, device, ops
         ckpt = Checkpoint(config.path)
         self.embed = ckpt.get("model.embed_tokens.weight", dtype, device)
-        if config.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = ckpt.get("lm_head.weight", dtype, device)
+        # Tied embeddings: the lookup reads the plain table, the logits a packed copy of it.
+        tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else ckpt.get("lm_head.weight", dtype, device))
         self.norm = ckpt.get("model.norm.weight", dtype, device)
         self.layers = [LlamaLayer(ckpt, f"model.layers.{i}", config, dtype, device) for i in range(config.num_layers)]
         c = config
@@ -53,9 +54,13 @@ class LlamaModel:
         self.attn = ops.attention_cls(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        tensors += [getattr(layer, n) for layer in self.layers for n in LAYER_TENSORS]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes of every weight as held (packed layouts included; a tied lm_head that shares
+        the embedding's storage counted once)."""
+        linears = [self.lm_head] + [getattr(layer, n) for layer in self.layers for n in LAYER_LINEARS]
+        norms = [self.embed, self.norm] + [getattr(layer, n) for layer in self.layers for n in LAYER_NORMS]
+        shared = self.lm_head.weight is self.embed
+        return (sum(lin.nbytes for lin in linears) - (self.embed.numel() * self.embed.element_size() if shared else 0)
+                + sum(t.numel() * t.element_size() for t in norms if t is not None))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -63,7 +68,6 @@ class LlamaModel:
         ops, c = self.ops, self.config
         eps = c.rms_norm_eps
         n = input_ids.shape[0]
-        linear = torch.nn.functional.linear
         h = self.embed.index_select(0, input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -71,7 +75,7 @@ class LlamaModel:
                 residual, x = h, ops.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, c.num_heads, c.head_dim)
             k = k.reshape(n, c.num_kv_heads, c.head_dim)
@@ -81,12 +85,12 @@ class LlamaModel:
                 k = ops.rms_norm(k, layer.k_norm, eps)
             q, k = ops.rotary(positions, q, k, self.rope, c.head_dim)
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            h = linear(o.view(n, self.q_size), layer.o)
+            h = layer.o(o.view(n, self.q_size))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = linear(ops.silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         h, _ = ops.rms_norm(h, self.norm, eps, residual)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] in the model's dtype: the sampler converts what it needs to fp32."""
-        return torch.nn.functional.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
