@@ -18,16 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
+#include "strata_math.h"
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_to_f32((p)[i])
@@ -62,7 +54,7 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32
         float *sh = scores + (long)h * n;                                                          \
         float m = -INFINITY, sum = 0.f;                                                            \
         for (int i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;                                     \
-        for (int i = 0; i < n; i++) { sh[i] = expf(sh[i] - m); sum += sh[i]; }                     \
+        for (int i = 0; i < n; i++) { sh[i] = strata_expf(sh[i] - m); sum += sh[i]; }                     \
         stats[2 * h] = m;                                                                          \
         stats[2 * h + 1] = sum;                                                                    \
     }                                                                                              \
@@ -146,7 +138,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
                 for (int task = first[b]; task < first[b + 1] && m > -INFINITY; task++) {          \
                     const float *stats = partial + (long)task * num_heads * per_head;              \
                     if (stats[2 * h] == -INFINITY) continue;                                        \
-                    const float w = expf(stats[2 * h] - m);                                        \
+                    const float w = strata_expf(stats[2 * h] - m);                                        \
                     const float *acc = stats + 2L * num_heads + (long)h * head_dim;                \
                     denom += w * stats[2 * h + 1];                                                  \
                     for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];                         \

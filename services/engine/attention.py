@@ -67,7 +67,7 @@ class TorchAttention:
         return cache.view(cache.shape[0], -1).index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.DECODE_DTYPES:
+        if self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES:
             return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, self.scale)
         b, block_size = q.shape[0], k_cache.shape[1]
