@@ -195,8 +195,7 @@ class Sampler:
         """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten."""
         logits = logits[:, :self.vocab_size].float()
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
-        if batch.penalties is not None:
-            logits = self._apply_penalties(logits, batch.penalties)
+        logits = self.apply_penalties(logits, batch)
         if batch.all_greedy:
             chosen = logits.argmax(dim=-1)
         else:
@@ -220,8 +219,12 @@ class Sampler:
         return raw, values, ids
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
-        """In place on the step's logits (the raw logprobs were taken before)."""
+    def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The penalized fp32 logits, in place: repetition (over prompt and output, as
+        transformers), then frequency and presence (over output tokens, as OpenAI)."""
+        pen = batch.penalties
+        if pen is None:
+            return logits
         every_row = pen.rows.numel() == logits.shape[0]
         rows = logits if every_row else logits.index_select(0, pen.rows)
         if pen.seen_ids is not None:
