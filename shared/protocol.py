@@ -297,13 +297,15 @@ def decode(cls: type[M], data: bytes) -> M:
 
 @dataclass
 class SamplingSpec(Message):
-    """Sampling parameters on the wire; the engine validates their ranges."""
+    """Sampling parameters on the wire; the engine validates their ranges. Absent (None)
+    temperature, top_p, top_k, min_p and repetition_penalty take the served model's
+    generation_config.json defaults, else 1.0, 1.0, -1 (off), 0.0 and 1.0."""
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -311,7 +313,7 @@ class SamplingSpec(Message):
     logprobs: int | None = None  # top-n logprobs per generated token
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
 
 
 @dataclass

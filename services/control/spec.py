@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
 from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo, parse_placement
 from services.scheduler.policy import POLICIES
@@ -33,12 +34,8 @@ from services.scheduler.policy import POLICIES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 # Engine arguments a deployment may set, with their types; each maps to one engine flag
-# (services.engine.__main__.engine_flags).
-ENGINE_ARGS: dict[str, type] = {
-    "block_size": int, "num_kv_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "max_model_len": int, "enable_prefix_caching": bool, "dtype": str, "device": str, "attention_backend": str,
-    "threads": int, "debug_step_delay": float,
-}
+# (services.engine.config.EngineArgs defines both).
+ENGINE_ARGS: dict[str, type] = EngineArgs.spec_args()
 
 
 class SpecError(ValueError):
