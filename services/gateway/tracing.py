@@ -74,11 +74,12 @@ def annotate_request(gen: GenerateRequest, stream: bool) -> None:
         return
     s = gen.sampling
     span.update_name(f"{GENERATION_PATHS[request.path]} {gen.model}")
-    span.set_attributes({"strata.request_id": gen.request_id, telemetry.GEN_AI_REQUEST_MODEL: gen.model,
-                         telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens,
-                         telemetry.GEN_AI_REQUEST_TEMPERATURE: s.temperature, telemetry.GEN_AI_REQUEST_TOP_P: s.top_p,
-                         telemetry.GEN_AI_REQUEST_STREAM: stream})
-    if s.top_k > 0:
+    attributes = {"strata.request_id": gen.request_id, telemetry.GEN_AI_REQUEST_MODEL: gen.model,
+                  telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens, telemetry.GEN_AI_REQUEST_TEMPERATURE: s.temperature,
+                  telemetry.GEN_AI_REQUEST_TOP_P: s.top_p, telemetry.GEN_AI_REQUEST_STREAM: stream}
+    # Sampling fields a request leaves out are None (the engine fills them from the model's defaults).
+    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    if s.top_k is not None and s.top_k > 0:
         span.set_attribute(telemetry.GEN_AI_REQUEST_TOP_K, s.top_k)
     if s.seed is not None:
         span.set_attribute(telemetry.GEN_AI_REQUEST_SEED, s.seed)
