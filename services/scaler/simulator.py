@@ -669,6 +669,13 @@ def summary(experiment: Experiment, results: dict[str, SimResult], load: np.ndar
         out["pools"] = [{k: v for k, v in asdict(p).items() if k not in ("ready", "starting", "draining", "actual")}
                         for p in experiment.pools]
         out["placement"] = asdict(experiment.placement)
+        outages = [(start, end) for p in experiment.pools for start, end, _ in p.outages]
+        for name, r in results.items():  # the requests that arrived while a pool was out
+            during = np.zeros(len(r.arrival_s), dtype=bool)
+            for start, end in outages:
+                during |= (r.arrival_s >= start) & (r.arrival_s < end)
+            out["scenarios"][name]["slo_attainment_in_outages"] = (
+                float(np.mean(r.ttft_s[during] <= experiment.slo_ttft_s)) if during.any() else None)
         if "oracle" in results:
             oracle_cost = max(results["oracle"].metrics["cost"], 1e-9)
             for name, r in results.items():
@@ -703,6 +710,8 @@ def table(report: dict) -> str:
     row(f"TTFT <= {slo:g}s", lambda m: f"{100 * m['slo_attainment']:.2f}%")
     row("replica-hours", lambda m: f"{m['replica_hours']:,.0f}")
     if "pools" in report:
+        if any(m["slo_attainment_in_outages"] is not None for m in report["scenarios"].values()):
+            row("  arriving in outages", lambda m: f"{100 * m['slo_attainment_in_outages']:.2f}%")
         row("cost", lambda m: f"{m['cost']:,.0f}")
         if "oracle" in report["scenarios"]:
             row("cost vs oracle", lambda m: f"{m['cost_vs_oracle']:.3f}x")

@@ -79,25 +79,26 @@ def test_overflow_goes_to_the_second_pool_and_moves_back_without_cutting_a_strea
     wait_served(client, "pooled")
 
     long_streams = Streams(client, "pooled", threads=2, max_tokens=150)  # alive through every move
-    step = Streams(client, "pooled", threads=6, max_tokens=32)  # twice what one replica batches
+    watch = None
     try:
-        wait_until(lambda: ready_in(stack, "pooled", dear) >= 1, 120, "the overflow in the second pool")
-        pools_now = {p["name"]: p["status"] for p in stack.client.pools()["pools"]}
-        assert pools_now[cheap]["used"] == 1 and pools_now[cheap]["deployments"] == {"pooled": 1}
-        assert pools_now[dear]["deployments"]["pooled"] >= 1
-    finally:
-        step.stop()
-    # The step is over: back to one replica, in the cheaper pool.
-    wait_until(lambda: replicas_by_pool(stack, "pooled") == {cheap: ["ready"]}, 120, "back to the cheaper pool")
+        step = Streams(client, "pooled", threads=6, max_tokens=32)  # twice what one replica batches
+        try:
+            wait_until(lambda: ready_in(stack, "pooled", dear) >= 1, 120, "the overflow in the second pool")
+            pools_now = {p["name"]: p["status"] for p in stack.client.pools()["pools"]}
+            assert pools_now[cheap]["used"] == 1 and pools_now[cheap]["deployments"] == {"pooled": 1}
+            assert pools_now[dear]["deployments"]["pooled"] >= 1
+        finally:
+            step.stop()
+        # The step is over: back to one replica, in the cheaper pool.
+        wait_until(lambda: replicas_by_pool(stack, "pooled") == {cheap: ["ready"]}, 120, "back to the cheaper pool")
 
-    watch = ReadyWatch(stack, "pooled")
-    try:
+        watch = ReadyWatch(stack, "pooled")
         stack.client.set_pool(cheap, {"capacity": 0})  # the cheap pool loses its capacity
         wait_until(lambda: replicas_by_pool(stack, "pooled") == {dear: ["ready"]}, 120, "the move to the other pool")
         stack.client.set_pool(cheap, {"capacity": 1})  # it is back: the replica moves back
         wait_until(lambda: replicas_by_pool(stack, "pooled") == {cheap: ["ready"]}, 120, "the move back")
     finally:
-        fewest = watch.stop()
+        fewest = watch.stop() if watch is not None else None
         long_streams.stop()
     decisions = stack.client.status("pooled")["scaler"]
 
