@@ -126,17 +126,23 @@ class PoolSet:
                       for name, pool in self.pools.items()}
             views = [p.view() for p in self.pools.values() if not p.retiring]  # retiring: its replicas move away
             plan = self.placer.place(wanted, views, held, others, prefs, now)
-            name = ""
-            try:
-                for name, target in plan.steps(held):
-                    if target or held[name].active:
-                        await self.pools[name].actuator.scale(deployment, revision, spec, target, loads)
-            except PoolRefused as exc:  # `name` is the pool that refused
-                backoff = self.placer.refused(name, now, exc.held, exc.reason)
-                log.warning("pool refused", pool=name, deployment=deployment, revision=revision, reason=exc.reason,
-                            held=exc.held, backoff_s=backoff)
-                continue
-            return plan
+            refused = False
+            for name, target in plan.steps(held):
+                if not target and not held[name].active:
+                    continue
+                try:
+                    await self.pools[name].actuator.scale(deployment, revision, spec, target, loads)
+                except PoolRefused as exc:
+                    if target <= held[name].ready:  # giving replicas back failed: no capacity lost, try next tick
+                        log.warning("pool did not scale down", pool=name, deployment=deployment, reason=exc.reason)
+                        continue
+                    backoff = self.placer.refused(name, now, exc.held, exc.reason)
+                    log.warning("pool refused", pool=name, deployment=deployment, revision=revision,
+                                reason=exc.reason, held=exc.held, backoff_s=backoff)
+                    refused = True
+                    break
+            if not refused:
+                return plan
         return plan
 
     async def scale_to_zero(self, deployment: str) -> None:

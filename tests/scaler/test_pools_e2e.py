@@ -108,3 +108,5 @@ def test_overflow_goes_to_the_second_pool_and_moves_back_without_cutting_a_strea
     assert all(r == (150, "length") for r in long_streams.done), long_streams.done  # no stream was cut
     assert fewest >= 1 and watch.samples > 10  # make-before-break: never without a ready replica
     assert decisions[0]["pools"] == {cheap: 1} and decisions[0]["short"] == 0
+    print(f"{len(step.done)} step streams and {len(long_streams.done)} long streams, none cut; "
+          f"fewest ready replicas while moving: {fewest} ({watch.samples} samples)")
