@@ -434,7 +434,10 @@ class FleetSim:
             rep.state = STOPPED
             rep.stopped_at = self.now
             excess -= 1
-        victims = sorted(pool.draining, key=lambda r: -r.started_at) + sorted(pool.ready, key=lambda r: -r.started_at)
+        def newest(r: SimReplica) -> tuple:  # ids break ties: sets iterate in memory order
+            return -r.started_at, r.replica_id
+
+        victims = sorted(pool.draining, key=newest) + sorted(pool.ready, key=newest)
         for rep in victims[:max(excess, 0)]:
             self._preempt(rep)
         self._dispatch()

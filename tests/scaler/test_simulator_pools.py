@@ -67,18 +67,33 @@ def test_the_oracle_sees_the_outage_coming_and_is_never_refused():
     assert during and min(r.started_at for r in during) <= 10.0 - 1.0  # a cold start ahead
 
 
-def write_pools(tmp_path, scale: int) -> str:
+def write_pools(tmp_path, scale: int, start="peak") -> str:
     """bench/pools.yaml at `scale` replicas of capacity in the cheapest pool."""
     path = tmp_path / "pools.yaml"
     path.write_text(textwrap.dedent(f"""
         placement: {{prefer: cheapest, min_pools: 2}}
         pools:
           - {{name: spot, region: east, capacity: {scale}, cost_per_hour: 10, cold_start_s: 30,
-              outages: [{{start_s: peak, duration_s: 7200, capacity: {scale // 10}}}]}}
+              outages: [{{start_s: {start}, duration_s: 7200, capacity: {scale // 10}}}]}}
           - {{name: ondemand, region: east, capacity: {scale * 2 // 5}, cost_per_hour: 16, cold_start_s: 45}}
           - {{name: other, region: west, capacity: {scale}, cost_per_hour: 22, cold_start_s: 60, rtt_s: 0.06}}
         """))
     return str(path)
+
+
+def test_a_seed_gives_the_same_figures_with_pools(tmp_path):
+    runs = []
+    for _ in range(2):
+        model = ReplicaModel()
+        cfg = ScalingConfig(max_replicas=20, cold_start_s=model.cold_start_s)
+        rate = 0.9 * 20 * model.requests_per_s(traces.RequestSizes(), cfg.target_concurrency)
+        e = Experiment(traces.generate("bursty", rate, 7200, 3), model, cfg, seed=3)
+        e.pools, e.placement = simulator.load_pools(write_pools(tmp_path, 20, start=1800), e.load, e.tick_s)
+        runs.append(e.run("pooled"))
+    for r in runs:
+        r.metrics.pop("wall_s")
+    assert runs[0].metrics == runs[1].metrics and runs[0].metrics["streams_moved"] > 0
+    assert np.array_equal(runs[0].timeline["pool:spot"], runs[1].timeline["pool:spot"])
 
 
 def test_the_pools_file_and_its_errors(tmp_path, capsys):
