@@ -31,16 +31,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings.from_args(args)
     configure_logging("up", settings.log_format, settings.log_level)
-    model_dir = settings.model or str(ensure_tiny_model(settings.tiny_model_dir))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    name = served_model_name(model_dir)
     try:
         pools = up_pools(args.pools)
     except (OSError, ValueError) as exc:
         print(f"--pools: {exc}", file=sys.stderr)
         return 2
+    model_dir = settings.model or str(ensure_tiny_model(settings.tiny_model_dir))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    name = served_model_name(model_dir)
     stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
                        redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
                        deployment=name, control=True, scaler=True, control_port=args.control_port, pools=pools)

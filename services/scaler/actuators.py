@@ -62,6 +62,9 @@ class Actuator(Protocol):
         """Replicas the pool holds for every deployment (ready, starting and draining): what
         counts against its capacity."""
 
+    def set_capacity(self, replicas: int) -> None:
+        """The pool's capacity changed (the local pool enforces it; a cluster has its own quota)."""
+
     def starting(self, deployment: str, revision: int, ready: int) -> int:
         """Replicas asked for and not ready yet (capacity on its way); `ready` is how many the
         heartbeats show ready."""
@@ -115,6 +118,9 @@ class LocalProcessActuator:
         for key in list(self.groups):
             self._reap(key)
 
+    def set_capacity(self, replicas: int) -> None:
+        self.capacity = replicas
+
     def alive(self) -> int:
         return sum(r.proc.poll() is None for g in self.groups.values() for r in g.values())
 
@@ -129,7 +135,7 @@ class LocalProcessActuator:
         group = self._reap((deployment, revision))
         active = [r for r in group.values() if not r.draining]
         wanted = replicas - len(active)
-        fits = wanted if self.capacity is None else min(wanted, self.capacity - self.alive())
+        fits = wanted if self.capacity is None or wanted <= 0 else max(min(wanted, self.capacity - self.alive()), 0)
         for _ in range(max(fits, 0)):
             self._start(deployment, revision, spec, group)
         if len(active) > replicas:
@@ -140,7 +146,7 @@ class LocalProcessActuator:
                 replica.proc.send_signal(signal.SIGTERM)
                 log.info("engine draining", replica_id=replica.replica_id, deployment=deployment, revision=revision,
                          load=loads.get(replica.replica_id, 0), pool=self.pool)
-        if fits < wanted:
+        if 0 <= fits < wanted:  # a scale-down (wanted < 0) is never refused
             raise PoolRefused(f"local pool at its limit of {self.capacity} engines", held=self.alive())
 
     def _start(self, deployment: str, revision: int, spec: DeploymentSpec, group: dict[str, LocalReplica]) -> None:
@@ -294,6 +300,9 @@ class KubernetesActuator:
 
     def _ready(self, deployment: str) -> int:
         return self._status.get(deployment, (0, 0))[1]
+
+    def set_capacity(self, replicas: int) -> None:
+        """Placement keeps within it; the cluster's quota and GPUs are what refuse."""
 
     def alive(self) -> int:
         return sum(replicas for replicas, _ in self._status.values())

@@ -66,6 +66,7 @@ class PoolSet:
                     pool.retiring = True
                     self.pools[f"{name}~{pool.spec.generation}"] = self.pools.pop(name)
                 self.pools[name] = Pool(spec, self.make_actuator(spec), spec.cold_start_s)
+                self.pools[name].actuator.set_capacity(spec.capacity)
                 log.info("pool added", pool=name, kind=spec.actuator.kind, capacity=spec.capacity, region=spec.region)
                 continue
             if pool.spec.actuator != spec.actuator:  # the same kind, new cluster settings: a new client
@@ -73,8 +74,7 @@ class PoolSet:
                 pool.actuator = self.make_actuator(spec)
             if not pool.measured:
                 pool.cold_start_s = spec.cold_start_s
-            if hasattr(pool.actuator, "capacity"):  # the local pool enforces its limit itself
-                pool.actuator.capacity = spec.capacity
+            pool.actuator.set_capacity(spec.capacity)
             if spec.capacity != pool.spec.capacity:
                 log.info("pool capacity changed", pool=name, capacity=spec.capacity, was=pool.spec.capacity)
             pool.spec, pool.retiring = spec, False
@@ -94,11 +94,11 @@ class PoolSet:
 
     # ---- each tick --------------------------------------------------------------------------
     async def observe(self, deployments: list[str], now: float) -> None:
-        for pool in self.pools.values():
+        for name, pool in self.pools.items():
             await pool.actuator.observe(deployments)
             for seconds in pool.actuator.take_cold_starts():
                 pool.note_cold_start(seconds)
-            self.placer.observe(pool.spec.name, sum(pool.actuator.held(d, r).ready for d in deployments
+            self.placer.observe(name, sum(pool.actuator.held(d, r).ready for d in deployments
                                                     for r in pool.actuator.revisions(d)), now)
 
     def held(self, deployment: str, revision: int) -> dict[str, Held]:
@@ -154,6 +154,8 @@ class PoolSet:
     def reports(self, deployments: list[str], now: float) -> list[PoolReport]:
         out = []
         for name, pool in sorted(self.pools.items()):
+            if pool.retiring and not pool.actuator.alive():
+                continue  # `default` once control has pools, and nothing left in it
             per = {d: sum(pool.actuator.held(d, r).active for r in pool.actuator.revisions(d)) for d in deployments}
             helds = [pool.actuator.held(d, r) for d in deployments for r in pool.actuator.revisions(d)]
             view = pool.view()

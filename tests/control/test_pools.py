@@ -189,3 +189,16 @@ def test_strata_pools_shows_backoff_full_and_unlimited():
     assert "1/4" in text and "backed off 40 s: 403 exceeded quota" in text and "30 s (spec)" in text
     assert "no limit" in text and "scaler's own" in text
     assert render_pools({"pools": [], "short": {}, "wanted": {}, "scaler": None}).startswith("no capacity pools")
+
+
+def test_strata_up_pools_takes_a_file_or_gives_the_demo(tmp_path):
+    assert [p["capacity"] for p in cli.up_pools("demo")] == [1, 2] and cli.up_pools(None) is None
+    good = tmp_path / "pools.yaml"
+    good.write_text("pools:\n  - {name: here, capacity: 3, cost_per_hour: 1}\n")
+    (pool,) = cli.up_pools(str(good))
+    assert parse_pool(pool).capacity == 3  # what control is sent reads back as the same pool
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- {name: here}\n")
+    with pytest.raises(ValueError, match="pools.here.capacity: required"):
+        cli.up_pools(str(bad))
+    assert cli.main(["up", "--pools", str(bad)]) == 2  # before anything starts
