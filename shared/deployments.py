@@ -59,7 +59,7 @@ class Placement:
     labels: dict[str, str] = field(default_factory=dict)  # only pools with these labels (accelerator: h100)
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")  # deployment, alias, pool and region names
 
 
 def _whole(value: Any) -> bool:
@@ -81,7 +81,7 @@ def parse_placement(raw: Any, errors: list) -> Placement:
             errors.append((f"placement.{key}", f"unknown field (known: {', '.join(known)})"))
     out = Placement()
     pools = raw.get("pools", [])
-    if not isinstance(pools, list) or not all(isinstance(p, str) and _NAME_RE.match(p) for p in pools):
+    if not isinstance(pools, list) or not all(isinstance(p, str) and NAME_RE.match(p) for p in pools):
         errors.append(("placement.pools", "must be a list of pool names"))
     else:
         out.pools = list(pools)

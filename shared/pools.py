@@ -27,18 +27,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
 from shared import keys, protocol
+from shared.deployments import NAME_RE
 from shared.logging import get_logger
 
 log = get_logger()
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 ACTUATOR_KINDS = ("kubernetes", "local")
 REDACTED = "(set)"
 DEFAULT_POOL = "default"  # the scaler's own actuator, the one pool while control stores none (reserved)

@@ -62,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  status:   strata status {name}\n"
               + (f"  pools:    {', '.join(p['name'] for p in pools)} (strata pools; strata pools set NAME --capacity N)\n"
                  if pools else "") +
-              f"Ctrl-C stops everything.", flush=True)
+              "Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
     return 0

@@ -20,7 +20,6 @@ Pure: no I/O except reading the model's config.json to check its architecture.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,9 @@ import yaml
 
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
-from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo, parse_placement
+from shared.deployments import NAME_RE, DeploymentSpec, Replicas, Scaling, Slo, parse_placement
 from services.scheduler.policy import POLICIES
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 # Engine arguments a deployment may set, with their types; each maps to one engine flag
 # (services.engine.config.EngineArgs defines both).

@@ -24,7 +24,7 @@ each one holds, the simulator feeds it simulated ones, and both act on the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from shared.deployments import Placement

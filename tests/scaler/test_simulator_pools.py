@@ -13,7 +13,6 @@ import pytest
 from services.scaler import simulator, traces
 from services.scaler.policy import ScalingConfig
 from services.scaler.simulator import Experiment, FleetSim, ReplicaModel, ScheduleScaler, SimPool
-from shared.deployments import Placement
 from tests.scaler.test_simulator import tiny_trace
 
 MODEL = ReplicaModel(prefill_tokens_per_s=1000, decode_tokens_per_s=10, max_num_seqs=1, cold_start_s=0)
