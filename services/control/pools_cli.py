@@ -21,7 +21,9 @@ def _money(x: float) -> str:
 def _state(status: dict) -> str:
     if status["backoff_s"] > 0:
         return f"backed off {status['backoff_s']:.0f} s: {status['last_refusal']}"
-    if status["effective_capacity"] <= status["used"] and status["capacity"]:
+    if not status["effective_capacity"]:
+        return "no capacity"
+    if status["effective_capacity"] <= status["used"]:
         return "full"
     return "ok"
 
