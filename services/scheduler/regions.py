@@ -8,8 +8,9 @@ than the inter-region penalty (the round trip it adds, 50 ms by default): with r
 replica there is nothing to avoid, so it stays.
 
 Queueing on a replica is estimated from what it reports: the requests it holds beyond a full
-batch, this one included, wait for slots that free at the rate it finishes requests. A full
-replica that has finished nothing lately promises no slot at all.
+batch, this one included, wait for slots that free at the rate it finishes requests. Without a
+measured rate there is no estimate: only a saturated replica (the scheduler's own rule: more
+work would only wait there) counts as a wait worth leaving for.
 
 A request or replica without a region is near everything: fleets without regions route as before.
 """
@@ -29,7 +30,9 @@ def queueing_s(r: ReplicaState) -> float:
     over = r.load + 1 - r.max_num_seqs
     if over <= 0:
         return 0.0
-    return over / r.finish_rate if r.finish_rate > 0 else math.inf
+    if r.finish_rate > 0:
+        return over / r.finish_rate
+    return math.inf if r.saturated else 0.0
 
 
 def near(r: ReplicaState, region: str) -> bool:

@@ -35,7 +35,8 @@ def test_queueing_is_the_requests_beyond_a_full_batch_at_the_finish_rate():
     assert queueing_s(replica("a", "east", running=2)) == 0.0  # room in the batch
     assert queueing_s(replica("a", "east", running=4, rate=10.0)) == pytest.approx(0.1)  # one ahead of it
     assert queueing_s(replica("a", "east", running=4, waiting=1, rate=10.0)) == pytest.approx(0.2)
-    assert math.isinf(queueing_s(replica("a", "east", running=4)))  # full, finishing nothing lately
+    assert queueing_s(replica("a", "east", running=4)) == 0.0  # full, no rate measured yet: no estimate
+    assert math.isinf(queueing_s(replica("a", "east", running=5)))  # saturated: it would only wait there
 
 
 def test_stays_in_its_region_while_a_replica_there_has_room():
@@ -98,10 +99,10 @@ def test_the_finish_rate_comes_from_heartbeats():
 @pytest.mark.slow
 async def test_a_scheduler_keeps_requests_in_their_region_until_queueing_there_is_worth_crossing(
         tiny_model_dir, tmp_path):
-    """Real engines: one in east, one in west, each one sequence at a time and slowed down.
+    """Real engines: one in east, one in west, each two sequences at a time and slowed down.
     Requests from east go to east while it has room; a burst queues there and some cross to
     west. Its own NATS and Valkey: schedulers on one NATS share the requests."""
-    engine = ["--max-num-seqs", "1", "--debug-step-delay", "0.05", "--threads", "1"]
+    engine = ["--max-num-seqs", "2", "--debug-step-delay", "0.05", "--threads", "1"]
     with LocalInfra() as infra:
         workers = [start_worker(infra, tiny_model_dir, tmp_path, rid, "--region", region, *engine,
                                 deployment="regional") for rid, region in (("east-0", "east"), ("west-0", "west"))]
@@ -128,7 +129,7 @@ async def test_a_scheduler_keeps_requests_in_their_region_until_queueing_there_i
                     assert final.finish_reason == "length" and final.replica_id == f"{region}-0", final
             await asyncio.sleep(2.5)  # a heartbeat window further: the finish rates are known
             finals = [c[-1] for c in await asyncio.gather(*(stream_request(bus, protocol.GENERATE, request("east"))
-                                                            for _ in range(6)))]
+                                                            for _ in range(8)))]
             assert all(f.finish_reason == "length" for f in finals)
             served = [f.replica_id for f in finals]
             assert served.count("east-0") >= 1 and served.count("west-0") >= 1, served
