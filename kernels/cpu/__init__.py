@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c")]
 _HEADERS = [Path(__file__).with_name("strata_math.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -70,6 +70,10 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
         fn = getattr(lib, f"strata_rotary_{suffix}")
         fn.restype, fn.argtypes = None, [p, p, n, i, p, n, i, p, i, n, i]
+        fn = getattr(lib, f"strata_argmax_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
+        fn = getattr(lib, f"strata_topk_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, i, p, p, i]
     return lib
 
 
@@ -173,3 +177,30 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
         cos_sin.data_ptr(), head_dim, q.shape[0], torch.get_num_threads())
 
+
+def _logit_rows(x: torch.Tensor) -> int:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("logits must be [rows, vocab] with a contiguous last dimension")
+    return x.stride(0)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of [rows, vocab] fp32/bf16 logits, read in place."""
+    stride = _logit_rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(load(), f"strata_argmax_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values as fp32, indices) of the k largest per row, sorted descending; k <= vocab."""
+    stride = _logit_rows(x)
+    if not 0 < k <= x.shape[1]:
+        raise ValueError(f"k must be in [1, {x.shape[1]}], got {k}")
+    values = torch.empty((x.shape[0], k), dtype=torch.float32)
+    indices = torch.empty((x.shape[0], k), dtype=torch.int64)
+    getattr(load(), f"strata_topk_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, k, values.data_ptr(), indices.data_ptr(),
+        torch.get_num_threads())
+    return values, indices

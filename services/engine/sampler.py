@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
+TOP_K_WIDENINGS = 3  # candidate widths max_k + 1, x4, x16: then a row still tied takes the full path
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -115,6 +117,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator()  # unseeded rows; seeded once so runs are repeatable
         self.generator.manual_seed(0)
+        self._f32_buffer: torch.Tensor | None = None
 
     # ---- prepare: host, once per step --------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -192,12 +195,15 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-        """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten."""
-        logits = logits[:, :self.vocab_size].float()
+        """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten.
+        Logits stay in the model's dtype where only comparisons read them (argmax, top-k
+        candidates); penalties and whole-row sampling work on an fp32 copy."""
+        logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
-        logits = self.apply_penalties(logits, batch)
+        if batch.penalties is not None:
+            logits = self.apply_penalties(self._fp32(logits), batch)
         if batch.all_greedy:
-            chosen = logits.argmax(dim=-1)
+            chosen = self._argmax(logits)
         else:
             chosen = self._draw(logits, batch)
         token_ids = chosen.tolist()
@@ -210,10 +216,34 @@ class Sampler:
                 results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
         return SampleResult(token_ids, results)
 
+    # ---- the vocabulary-wide primitives: C kernels on CPU, torch elsewhere ----------------------
+    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x as fp32: itself, or a copy in a buffer kept across steps (a fresh [rows, vocab]
+        fp32 tensor is large enough to be mmap'ed, and its page faults cost more than the copy)."""
+        if x.dtype == torch.float32:
+            return x
+        if self._f32_buffer is None or self._f32_buffer.shape[0] < x.shape[0] or self._f32_buffer.device != x.device:
+            self._f32_buffer = torch.empty((max(x.shape[0], 64), self.vocab_size), dtype=torch.float32, device=x.device)
+        return self._f32_buffer[:x.shape[0], :x.shape[1]].copy_(x)
+
+    @staticmethod
+    def _argmax(x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            return cpu_kernels.argmax(x)
+        return x.argmax(dim=-1)
+
+    @staticmethod
+    def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 values, ids), sorted descending."""
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            return cpu_kernels.topk(x, k)
+        values, ids = x.topk(k, dim=-1)
+        return values.float(), ids
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
         """Log-softmax of the raw logits (before penalties and temperature), asking rows only."""
-        raw = torch.log_softmax(logits[batch.logprob_rows], dim=-1)
+        raw = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
         k = max(batch.logprob_counts)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return raw, values, ids
@@ -252,7 +282,7 @@ class Sampler:
         return u.view(-1, 1).to(self.device, non_blocking=True)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        chosen = logits.argmax(dim=-1)  # greedy rows keep it
+        chosen = self._argmax(logits)  # greedy rows keep it
         fallback: list[int] = []
         if batch.top_k_rows:
             fallback = self._draw_top_k(logits, batch, chosen)
@@ -272,9 +302,17 @@ class Sampler:
         value ties with values past the candidates; they take the full-row path."""
         rows = batch.top_k_rows
         vocab = logits.shape[1]
+        candidates = self._rows(logits, rows)
+        # Temperature scaling keeps the order: pick candidates first, then scale them. Ties with
+        # the k-th value stay in the set, and bf16 logits tie often: widen until the candidates
+        # end below the k-th value (a few tries), else the row takes the full path.
         width = min(batch.max_top_k + 1, vocab)
-        # Temperature scaling keeps the order: pick candidates first, then scale them.
-        values, ids = self._rows(logits, rows).topk(width, dim=-1)  # sorted, descending
+        for _ in range(TOP_K_WIDENINGS):
+            values, ids = self._topk(candidates, width)  # sorted, descending
+            kth = values.gather(1, batch.top_k - 1)
+            if width == vocab or not bool((values[:, -1:] == kth).any()):
+                break
+            width = min(4 * width, vocab)
         values = values / batch.temperature[rows]
         kth = values.gather(1, batch.top_k - 1)
         keep = values >= kth
@@ -310,7 +348,7 @@ class Sampler:
 
         Works on w = exp((logit - max) / T), the unnormalized probabilities (largest 1), in one
         buffer: the thresholds compare probabilities."""
-        w = self._rows(logits, rows)  # the step's logits themselves when every row is here
+        w = self._fp32(self._rows(logits, rows))  # in place when every row is here
         w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
         if tied_top_k_rows:  # apply the k-th value threshold over the whole row
             where = {r: j for j, r in enumerate(batch.top_k_rows)}

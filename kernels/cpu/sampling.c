@@ -1,0 +1,120 @@
+/* The sampler's reductions over the vocabulary for the CPU path, reading fp32 or bf16 logits in
+ * place (no fp32 copy of a [rows, vocab] tensor), parallel over rows.
+ *
+ * argmax: the first index of the largest value (as torch.argmax), NaN-free input assumed.
+ * top-k: the k largest values (as fp32) and their indices, sorted by value descending; a bound
+ * from blocks' maxima (computed in one vectorized pass) leaves only a few blocks to read value
+ * by value, where torch.topk puts every element through its selection routine.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "strata_math.h"
+
+#define LOAD_F32(p, i) ((p)[i])
+#define LOAD_BF16(p, i) bf16_to_f32((p)[i])
+#define CHUNK 256
+#define TOPK_BLOCK 64
+
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                               \
+void NAME(const T *x, long rows, long cols, long row_stride, int64_t *out, int num_threads)      \
+{                                                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * cols > 65536)") \
+    for (long r = 0; r < rows; r++) {                                                              \
+        const T *xr = x + r * row_stride;                                                          \
+        float best = -INFINITY;                                                                    \
+        long best_i = 0;                                                                            \
+        for (long c0 = 0; c0 < cols; c0 += CHUNK) {                                                \
+            const long c1 = c0 + CHUNK < cols ? c0 + CHUNK : cols;                                 \
+            float m = -INFINITY;                                                                    \
+            _Pragma("omp simd reduction(max:m)")                                                   \
+            for (long c = c0; c < c1; c++) { float v = LOAD(xr, c); m = v > m ? v : m; }           \
+            if (m > best) {  /* the first index of this chunk's max */                             \
+                long c = c0;                                                                        \
+                while (LOAD(xr, c) != m) c++;                                                      \
+                best = m;                                                                           \
+                best_i = c;                                                                         \
+            }                                                                                       \
+        }                                                                                           \
+        out[r] = best_i;                                                                            \
+    }                                                                                               \
+}
+
+DEFINE_ARGMAX(strata_argmax_f32, float, LOAD_F32)
+DEFINE_ARGMAX(strata_argmax_bf16, uint16_t, LOAD_BF16)
+
+/* A min-heap of (value, index) of size k: heap[0] is the smallest kept value. */
+static void sift_down(float *hv, int64_t *hi, int k, int i) {
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, s = i;
+        if (l < k && hv[l] < hv[s]) s = l;
+        if (r < k && hv[r] < hv[s]) s = r;
+        if (s == i) return;
+        float tv = hv[i]; hv[i] = hv[s]; hv[s] = tv;
+        int64_t ti = hi[i]; hi[i] = hi[s]; hi[s] = ti;
+        i = s;
+    }
+}
+
+/* Push (v, i) into a heap holding n of at most k values. */
+static inline void heap_offer(float *hv, int64_t *hi, int k, int *n, float v, int64_t i) {
+    if (*n < k) {  /* sift up */
+        int j = (*n)++;
+        while (j > 0 && hv[(j - 1) / 2] > v) { hv[j] = hv[(j - 1) / 2]; hi[j] = hi[(j - 1) / 2]; j = (j - 1) / 2; }
+        hv[j] = v; hi[j] = i;
+    } else if (v > hv[0]) {
+        hv[0] = v; hi[0] = i;
+        sift_down(hv, hi, k, 0);
+    }
+}
+
+/* Two passes: the maximum of every block of TOPK_BLOCK values, then the k-th largest of those maxima, t0,
+ * bounds the k-th largest value from below (k blocks each hold a value >= t0); only blocks
+ * whose maximum reaches t0 are read again, value by value. */
+#define DEFINE_TOPK(NAME, T, LOAD)                                                                 \
+void NAME(const T *x, long rows, long cols, long row_stride, int k, float *values, int64_t *indices, \
+          int num_threads)                                                                          \
+{                                                                                                   \
+    const long blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * cols > 65536)") \
+    for (long r = 0; r < rows; r++) {                                                              \
+        const T *xr = x + r * row_stride;                                                          \
+        float *hv = values + r * k;                                                                \
+        int64_t *hi = indices + r * k;                                                             \
+        float *maxima = (float *)malloc(sizeof(float) * (size_t)blocks);                           \
+        float t0 = -INFINITY;                                                                       \
+        if (maxima) {                                                                               \
+            for (long b = 0; b < blocks; b++) {                                                    \
+                const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;                      \
+                float m = -INFINITY;                                                                \
+                _Pragma("omp simd reduction(max:m)")                                               \
+                for (long c = c0; c < c1; c++) { float v = LOAD(xr, c); m = v > m ? v : m; }       \
+                maxima[b] = m;                                                                      \
+            }                                                                                       \
+            if (blocks >= k) {  /* the k-th largest block maximum, through the output heap */      \
+                int n = 0;                                                                          \
+                for (long b = 0; b < blocks; b++) heap_offer(hv, hi, k, &n, maxima[b], b);         \
+                t0 = hv[0];                                                                         \
+            }                                                                                       \
+        }                                                                                           \
+        int n = 0;                                                                                  \
+        for (long b = 0; b < blocks; b++) {                                                        \
+            if (maxima && maxima[b] < t0) continue;                                                \
+            const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;                          \
+            for (long c = c0; c < c1; c++) {                                                       \
+                const float v = LOAD(xr, c);                                                        \
+                if (v >= t0) heap_offer(hv, hi, k, &n, v, c);                                      \
+            }                                                                                       \
+        }                                                                                           \
+        free(maxima);                                                                               \
+        /* heap sort: pop the smallest to the end, leaving the row sorted descending */            \
+        for (int end = n - 1; end > 0; end--) {                                                    \
+            float tv = hv[0]; hv[0] = hv[end]; hv[end] = tv;                                       \
+            int64_t ti = hi[0]; hi[0] = hi[end]; hi[end] = ti;                                     \
+            sift_down(hv, hi, end, 0);                                                              \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+DEFINE_TOPK(strata_topk_f32, float, LOAD_F32)
+DEFINE_TOPK(strata_topk_bf16, uint16_t, LOAD_BF16)
