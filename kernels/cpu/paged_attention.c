@@ -106,6 +106,10 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
     for (int t = t0; t < t1;) {  /* a run of consecutive rows: the span's part of one block */    \
         const int offset = t % block_size, run = t1 - t < block_size - offset ? t1 - t : block_size - offset; \
         const T *krow0 = k_cache + (long)table[t / block_size] * block_stride + (long)offset * row; \
+        if (t + run < t1) {  /* the next block lives elsewhere: start fetching it now */           \
+            const char *next = (const char *)(k_cache + (long)table[(t + run) / block_size] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
         int j = 0;                                                                                  \
         if (HAVE_SCORES16)                                                                          \
             for (; j + 16 <= run; j += 16)                                                          \
@@ -137,6 +141,10 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
     float vf[head_dim];  /* one KV head's V row, widened once for the whole group */               \
     for (int t = t0; t < t1; t++) {                                                                \
         const T *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row; \
+        if ((t % block_size == 0 || t == t0) && (t / block_size + 1) * block_size < t1) {          \
+            const char *next = (const char *)(v_cache + (long)table[t / block_size + 1] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                \
             const T *vh = vrow + (long)kh * head_dim;                                              \
             _Pragma("omp simd")                                                                    \
