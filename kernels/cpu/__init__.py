@@ -73,7 +73,7 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, f"strata_argmax_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
         fn = getattr(lib, f"strata_topk_{suffix}")
-        fn.restype, fn.argtypes = None, [p, n, n, n, i, p, p, i]
+        fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
     return lib
 
 
@@ -193,14 +193,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values as fp32, indices) of the k largest per row, sorted descending; k <= vocab."""
+def topk_with_ties(x: torch.Tensor, k: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row the k largest values and every value tied with the k-th, sorted descending:
+    (values as fp32 [rows, cap], -inf past the count; indices [rows, cap]; counts [rows], -1
+    where more than `cap` values qualify). k <= vocab."""
     stride = _logit_rows(x)
     if not 0 < k <= x.shape[1]:
         raise ValueError(f"k must be in [1, {x.shape[1]}], got {k}")
-    values = torch.empty((x.shape[0], k), dtype=torch.float32)
-    indices = torch.empty((x.shape[0], k), dtype=torch.int64)
+    cap = max(min(cap, x.shape[1]), k)
+    values = torch.empty((x.shape[0], cap), dtype=torch.float32)
+    indices = torch.empty((x.shape[0], cap), dtype=torch.int64)
+    counts = torch.empty(x.shape[0], dtype=torch.int64)
     getattr(load(), f"strata_topk_{KERNEL_DTYPES[x.dtype]}")(
-        x.data_ptr(), x.shape[0], x.shape[1], stride, k, values.data_ptr(), indices.data_ptr(),
-        torch.get_num_threads())
-    return values, indices
+        x.data_ptr(), x.shape[0], x.shape[1], stride, k, cap, values.data_ptr(), indices.data_ptr(),
+        counts.data_ptr(), torch.get_num_threads())
+    return values, indices, counts

@@ -2,12 +2,13 @@
  * place (no fp32 copy of a [rows, vocab] tensor), parallel over rows.
  *
  * argmax: the first index of the largest value (as torch.argmax), NaN-free input assumed.
- * top-k: the k largest values (as fp32) and their indices, sorted by value descending; a bound
- * from blocks' maxima (computed in one vectorized pass) leaves only a few blocks to read value
- * by value, where torch.topk puts every element through its selection routine.
+ * top-k: the k largest values (as fp32), their ties, and their indices, sorted by value
+ * descending; a bound from blocks' maxima (computed in one vectorized pass) leaves only a few
+ * blocks to read value by value, where torch.topk puts every element through its selection.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "strata_math.h"
 
@@ -68,51 +69,80 @@ static inline void heap_offer(float *hv, int64_t *hi, int k, int *n, float v, in
     }
 }
 
-/* Two passes: the maximum of every block of TOPK_BLOCK values, then the k-th largest of those maxima, t0,
- * bounds the k-th largest value from below (k blocks each hold a value >= t0); only blocks
- * whose maximum reaches t0 are read again, value by value. */
+static int by_value_descending(const void *a, const void *b) {
+    const float x = ((const float *)a)[0], y = ((const float *)b)[0];
+    return (x < y) - (x > y);
+}
+
+/* The k largest values and every value tied with the k-th (the sampler keeps ties with the k-th
+ * value, and bf16 logits tie often), at most `cap` per row, sorted descending; counts[r] is how
+ * many (-1: more than cap). Two passes: the maximum of every block of TOPK_BLOCK values, then
+ * the k-th largest of those maxima, t0, bounds the k-th largest value from below (k blocks each
+ * hold a value >= t0): only blocks whose maximum reaches t0 are read again, value by value, into
+ * a heap of k; a third pass over the same blocks collects everything >= the k-th value. */
 #define DEFINE_TOPK(NAME, T, LOAD)                                                                 \
-void NAME(const T *x, long rows, long cols, long row_stride, int k, float *values, int64_t *indices, \
-          int num_threads)                                                                          \
+void NAME(const T *x, long rows, long cols, long row_stride, int k, int cap, float *values,      \
+          int64_t *indices, int64_t *counts, int num_threads)                                       \
 {                                                                                                   \
-    const long blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;                                                          \
+    const long blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;                                      \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * cols > 65536)") \
     for (long r = 0; r < rows; r++) {                                                              \
         const T *xr = x + r * row_stride;                                                          \
-        float *hv = values + r * k;                                                                \
-        int64_t *hi = indices + r * k;                                                             \
-        float *maxima = (float *)malloc(sizeof(float) * (size_t)blocks);                           \
+        float *hv = (float *)malloc(sizeof(float) * (size_t)k + sizeof(float) * (size_t)blocks + 2 * sizeof(float) * (size_t)cap); \
+        int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * (size_t)k);                             \
+        if (!hv || !hi) { free(hv); free(hi); counts[r] = -1; continue; }                          \
+        float *maxima = hv + k, *pairs = maxima + blocks;  /* pairs: (value, index as float bits) */ \
         float t0 = -INFINITY;                                                                       \
-        if (maxima) {                                                                               \
-            for (long b = 0; b < blocks; b++) {                                                    \
-                const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;                      \
-                float m = -INFINITY;                                                                \
-                _Pragma("omp simd reduction(max:m)")                                               \
-                for (long c = c0; c < c1; c++) { float v = LOAD(xr, c); m = v > m ? v : m; }       \
-                maxima[b] = m;                                                                      \
-            }                                                                                       \
-            if (blocks >= k) {  /* the k-th largest block maximum, through the output heap */      \
-                int n = 0;                                                                          \
-                for (long b = 0; b < blocks; b++) heap_offer(hv, hi, k, &n, maxima[b], b);         \
-                t0 = hv[0];                                                                         \
-            }                                                                                       \
+        for (long b = 0; b < blocks; b++) {                                                        \
+            const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;  \
+            float m = -INFINITY;                                                                    \
+            _Pragma("omp simd reduction(max:m)")                                                   \
+            for (long c = c0; c < c1; c++) { float v = LOAD(xr, c); m = v > m ? v : m; }           \
+            maxima[b] = m;                                                                          \
         }                                                                                           \
         int n = 0;                                                                                  \
+        if (blocks >= k) {  /* the k-th largest block maximum, through the heap */                 \
+            for (long b = 0; b < blocks; b++) heap_offer(hv, hi, k, &n, maxima[b], b);             \
+            t0 = hv[0];                                                                             \
+            n = 0;                                                                                  \
+        }                                                                                           \
         for (long b = 0; b < blocks; b++) {                                                        \
-            if (maxima && maxima[b] < t0) continue;                                                \
-            const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;                          \
+            if (maxima[b] < t0) continue;                                                          \
+            const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;  \
             for (long c = c0; c < c1; c++) {                                                       \
                 const float v = LOAD(xr, c);                                                        \
                 if (v >= t0) heap_offer(hv, hi, k, &n, v, c);                                      \
             }                                                                                       \
         }                                                                                           \
-        free(maxima);                                                                               \
-        /* heap sort: pop the smallest to the end, leaving the row sorted descending */            \
-        for (int end = n - 1; end > 0; end--) {                                                    \
-            float tv = hv[0]; hv[0] = hv[end]; hv[end] = tv;                                       \
-            int64_t ti = hi[0]; hi[0] = hi[end]; hi[end] = ti;                                     \
-            sift_down(hv, hi, end, 0);                                                              \
+        const float kth = hv[0];  /* n == k: the caller asks for k <= cols */                      \
+        long count = 0;                                                                             \
+        for (long b = 0; b < blocks && count <= cap; b++) {                                        \
+            if (maxima[b] < kth) continue;                                                         \
+            const long c0 = b * TOPK_BLOCK, c1 = c0 + TOPK_BLOCK < cols ? c0 + TOPK_BLOCK : cols;  \
+            for (long c = c0; c < c1; c++) {                                                       \
+                const float v = LOAD(xr, c);                                                        \
+                if (v < kth) continue;                                                              \
+                if (count == cap) { count = cap + 1; break; }                                       \
+                int32_t index = (int32_t)c;                                                         \
+                pairs[2 * count] = v;                                                               \
+                memcpy(&pairs[2 * count + 1], &index, sizeof index);                                \
+                count++;                                                                            \
+            }                                                                                       \
         }                                                                                           \
+        if (count > cap) {                                                                          \
+            counts[r] = -1;                                                                         \
+        } else {                                                                                    \
+            qsort(pairs, (size_t)count, 2 * sizeof(float), by_value_descending);                   \
+            for (long i = 0; i < cap; i++) {                                                       \
+                int32_t index = 0;                                                                  \
+                if (i < count) memcpy(&index, &pairs[2 * i + 1], sizeof index);                     \
+                values[r * cap + i] = i < count ? pairs[2 * i] : -INFINITY;                        \
+                indices[r * cap + i] = index;                                                       \
+            }                                                                                       \
+            counts[r] = count;                                                                      \
+        }                                                                                           \
+        free(hv);                                                                                   \
+        free(hi);                                                                                   \
     }                                                                                               \
 }
 

@@ -31,7 +31,8 @@ from services.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
-TOP_K_WIDENINGS = 3  # candidate widths max_k + 1, x4, x16: then a row still tied takes the full path
+TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties (C path); more: the full path
+TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -233,14 +234,6 @@ class Sampler:
         return x.argmax(dim=-1)
 
     @staticmethod
-    def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 values, ids), sorted descending."""
-        if cpu_kernels.supports(x) and x.stride(-1) == 1:
-            return cpu_kernels.topk(x, k)
-        values, ids = x.topk(k, dim=-1)
-        return values.float(), ids
-
-    @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
         """Log-softmax of the raw logits (before penalties and temperature), asking rows only."""
         raw = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
@@ -297,22 +290,32 @@ class Sampler:
             return logits
         return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
-    def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor) -> list[int]:
-        """Rows with top-k: sample among topk(max_k + 1) candidates. Returns the rows whose k-th
-        value ties with values past the candidates; they take the full-row path."""
-        rows = batch.top_k_rows
-        vocab = logits.shape[1]
-        candidates = self._rows(logits, rows)
-        # Temperature scaling keeps the order: pick candidates first, then scale them. Ties with
-        # the k-th value stay in the set, and bf16 logits tie often: widen until the candidates
-        # end below the k-th value (a few tries), else the row takes the full path.
-        width = min(batch.max_top_k + 1, vocab)
+    def _candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's k largest values and every value tied with its k-th (the kept set keeps
+        ties, and bf16 logits tie often): (fp32 values sorted descending, -inf as padding; ids;
+        complete: whether the row's candidates hold every such value, else it takes the full
+        path). On CPU one C pass; elsewhere topk, widened while ties reach its last column."""
+        vocab = x.shape[1]
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            values, ids, counts = cpu_kernels.topk_with_ties(x, k, k + TOP_K_TIE_ROOM)
+            return values, ids, counts >= 0
+        width = min(k + 1, vocab)
         for _ in range(TOP_K_WIDENINGS):
-            values, ids = self._topk(candidates, width)  # sorted, descending
-            kth = values.gather(1, batch.top_k - 1)
-            if width == vocab or not bool((values[:, -1:] == kth).any()):
+            values, ids = x.topk(width, dim=-1)
+            values = values.float()
+            complete = values[:, -1] < values[:, k - 1] if width < vocab else torch.ones_like(values[:, 0], dtype=torch.bool)
+            if bool(complete.all()):
                 break
             width = min(4 * width, vocab)
+        return values, ids, complete
+
+    def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor) -> list[int]:
+        """Rows with top-k: sample among their candidates (the k-th value's ties included).
+        Returns the rows whose ties did not fit the candidates; they take the full-row path."""
+        rows = batch.top_k_rows
+        # Temperature scaling keeps the order: pick candidates first, then scale them.
+        values, ids, complete = self._candidates(self._rows(logits, rows), batch.max_top_k)
+        width = values.shape[1]
         values = values / batch.temperature[rows]
         kth = values.gather(1, batch.top_k - 1)
         keep = values >= kth
@@ -329,18 +332,13 @@ class Sampler:
         u = self._uniforms(batch, rows, 0)
         index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=width - 1)
         picked = ids.gather(1, index).view(-1)
-        fallback: list[int] = []
-        if width < vocab:
-            tied = (values[:, -1:] == kth).view(-1)
-            if bool(tied.any()):
-                fallback = tied.nonzero().view(-1).tolist()
-        if not fallback:
+        if bool(complete.all()):
             chosen[rows] = picked
             return []
-        good = [j for j in range(len(rows)) if j not in set(fallback)]
+        good = complete.nonzero().view(-1).tolist()
         if good:
             chosen[[rows[j] for j in good]] = picked[good]
-        return [rows[j] for j in fallback]
+        return [rows[j] for j in (~complete).nonzero().view(-1).tolist()]
 
     def _draw_full(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
                    tied_top_k_rows: set[int]) -> None:
