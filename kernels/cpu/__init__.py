@@ -74,6 +74,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
         fn = getattr(lib, f"strata_topk_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
+        fn = getattr(lib, f"strata_sample_rows_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
     return lib
 
 
@@ -208,3 +210,22 @@ def topk_with_ties(x: torch.Tensor, k: int, cap: int) -> tuple[torch.Tensor, tor
         x.data_ptr(), x.shape[0], x.shape[1], stride, k, cap, values.data_ptr(), indices.data_ptr(),
         counts.data_ptr(), torch.get_num_threads())
     return values, indices, counts
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor,
+                floor_value: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws over whole rows of [rows, vocab] logits (fp32/bf16, read in place):
+    probabilities softmax(x / T) over x >= floor_value (a top-k cut, or -inf), min-p applied,
+    top-p by rejection with one uniform per round ([rows, rounds] fp64). -1 for a row whose
+    every round was rejected. Per-row parameters are fp32 [rows]."""
+    stride = _logit_rows(x)
+    rows = x.shape[0]
+    params = [t.to(torch.float32).contiguous().view(-1) for t in (temperature, min_p, top_p, floor_value)]
+    if any(t.numel() != rows for t in params) or uniforms.shape[0] != rows:
+        raise ValueError("one parameter per row")
+    uniforms = uniforms.to(torch.float64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"strata_sample_rows_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), rows, x.shape[1], stride, *(t.data_ptr() for t in params), uniforms.data_ptr(),
+        uniforms.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out

@@ -16,6 +16,7 @@
 #define LOAD_BF16(p, i) bf16_to_f32((p)[i])
 #define CHUNK 256
 #define TOPK_BLOCK 64
+#define SAMPLE_BLOCK 1024
 
 #define DEFINE_ARGMAX(NAME, T, LOAD)                                                               \
 void NAME(const T *x, long rows, long cols, long row_stride, int64_t *out, int num_threads)      \
@@ -148,3 +149,93 @@ void NAME(const T *x, long rows, long cols, long row_stride, int k, int cap, flo
 
 DEFINE_TOPK(strata_topk_f32, float, LOAD_F32)
 DEFINE_TOPK(strata_topk_bf16, uint16_t, LOAD_BF16)
+
+/* Inverse-CDF sampling over whole rows, for rows without a top-k cut (or whose k-th value ties
+ * past the candidates): weights w = exp((x - max) / T) (the unnormalized probabilities, largest
+ * 1) in a per-row buffer that stays in cache; min-p keeps w >= min_p; top-p by rejection: draw
+ * with uniform u of this round among the kept weights above the pivot, accept if the mass
+ * strictly above the token (over the row's top-k set, x >= floor) is below top_p of that set's
+ * total, else raise the pivot to the token's weight. out[r] = -1 when `rounds` draws were all
+ * rejected (the caller finishes the row). uniforms: [rows, rounds]. */
+#define DEFINE_SAMPLE_ROWS(NAME, T, LOAD)                                                          \
+void NAME(const T *x, long rows, long cols, long row_stride, const float *temperature,           \
+          const float *min_p, const float *top_p, const float *floor_value, const double *uniforms, \
+          int rounds, int64_t *out, int num_threads)                                                \
+{                                                                                                   \
+    _Pragma("omp parallel num_threads(num_threads)")                                               \
+    {                                                                                               \
+        const long nblocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;                             \
+        float *w = (float *)malloc(sizeof(float) * (size_t)(cols + nblocks));                      \
+        float *bsum = w ? w + cols : NULL;                                                          \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (long r = 0; r < rows; r++) {                                                          \
+            out[r] = -1;                                                                            \
+            if (!w) continue;                                                                       \
+            const T *xr = x + r * row_stride;                                                      \
+            const float floor_r = floor_value[r], inv_t = 1.f / temperature[r];                    \
+            float m = -INFINITY;                                                                    \
+            _Pragma("omp simd reduction(max:m)")                                                   \
+            for (long c = 0; c < cols; c++) { float v = LOAD(xr, c); m = v > m ? v : m; }         \
+            double total = 0.0;  /* over the top-k set, for top-p */                               \
+            float part = 0.f;                                                                       \
+            for (long c0 = 0; c0 < cols; c0 += 4096) {  /* fp32 partial sums, fp64 across them */   \
+                const long c1 = c0 + 4096 < cols ? c0 + 4096 : cols;                               \
+                part = 0.f;                                                                         \
+                _Pragma("omp simd reduction(+:part)")                                              \
+                for (long c = c0; c < c1; c++) {                                                   \
+                    const float v = LOAD(xr, c);                                                    \
+                    const float e = v >= floor_r ? strata_expf((v - m) * inv_t) : 0.f;             \
+                    w[c] = e;                                                                       \
+                    part += e;                                                                      \
+                }                                                                                   \
+                total += part;                                                                      \
+            }                                                                                       \
+            const float keep_min = min_p[r];  /* w >= min_p: p >= min_p * p_max */                \
+            float pivot = -1.f;  /* weights above the pivot are drawn from; all, at first */       \
+            for (int round = 0; round < rounds; round++) {                                         \
+                double kept = 0.0;  /* block sums of the drawable weights, then their total */    \
+                for (long b = 0; b < nblocks; b++) {                                               \
+                    const long c0 = b * SAMPLE_BLOCK, c1 = c0 + SAMPLE_BLOCK < cols ? c0 + SAMPLE_BLOCK : cols; \
+                    part = 0.f;                                                                     \
+                    _Pragma("omp simd reduction(+:part)")                                          \
+                    for (long c = c0; c < c1; c++)                                                 \
+                        part += (w[c] > pivot && w[c] >= keep_min) ? w[c] : 0.f;                   \
+                    bsum[b] = part;                                                                 \
+                    kept += part;                                                                   \
+                }                                                                                   \
+                const double target = uniforms[r * rounds + round] * kept;                         \
+                double run = 0.0;                                                                   \
+                long pick = -1, last = -1, b = 0;                                                   \
+                while (b < nblocks - 1 && run + bsum[b] <= target) run += bsum[b++];  /* its block */ \
+                for (; b < nblocks && pick < 0; b++) {  /* then value by value */                  \
+                    const long c1 = (b + 1) * SAMPLE_BLOCK < cols ? (b + 1) * SAMPLE_BLOCK : cols;   \
+                    for (long c = b * SAMPLE_BLOCK; c < c1; c++) {                                 \
+                        const float e = (w[c] > pivot && w[c] >= keep_min) ? w[c] : 0.f;           \
+                        if (e <= 0.f) continue;                                                     \
+                        last = c;                                                                   \
+                        run += e;                                                                   \
+                        if (run > target) { pick = c; break; }                                     \
+                    }                                                                               \
+                }                                                                                   \
+                if (pick < 0) pick = last;  /* rounding: the target met the end of the row */      \
+                if (pick < 0) break;                                                                \
+                if (top_p[r] >= 1.f) { out[r] = pick; break; }                                     \
+                const float wp = w[pick];                                                           \
+                double above = 0.0;                                                                 \
+                for (long c0 = 0; c0 < cols; c0 += 4096) {                                         \
+                    const long c1 = c0 + 4096 < cols ? c0 + 4096 : cols;                           \
+                    part = 0.f;                                                                     \
+                    _Pragma("omp simd reduction(+:part)")                                          \
+                    for (long c = c0; c < c1; c++) part += w[c] > wp ? w[c] : 0.f;                 \
+                    above += part;                                                                  \
+                }                                                                                   \
+                if (above < (double)top_p[r] * total) { out[r] = pick; break; }                    \
+                pivot = wp;  /* everything at or below a rejected token is outside the set */      \
+            }                                                                                       \
+        }                                                                                           \
+        free(w);                                                                                    \
+    }                                                                                               \
+}
+
+DEFINE_SAMPLE_ROWS(strata_sample_rows_f32, float, LOAD_F32)
+DEFINE_SAMPLE_ROWS(strata_sample_rows_bf16, uint16_t, LOAD_BF16)

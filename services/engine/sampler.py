@@ -31,6 +31,7 @@ from services.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
+CPU_SAMPLE_ROUNDS = 8  # top-p rejection rounds in the C kernel; a row rejected 8 times continues in torch
 TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties (C path); more: the full path
 TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
 
@@ -344,8 +345,19 @@ class Sampler:
                    tied_top_k_rows: set[int]) -> None:
         """Inverse-CDF sampling over whole rows; top-p by rejection against a rising pivot.
 
-        Works on w = exp((logit - max) / T), the unnormalized probabilities (largest 1), in one
-        buffer: the thresholds compare probabilities."""
+        On CPU one C pass per row does it (the first rounds); elsewhere, and for a row the C
+        rounds all rejected, torch on w = exp((logit - max) / T), the unnormalized
+        probabilities (largest 1), in one buffer: the thresholds compare probabilities."""
+        first_round = 0
+        x = self._rows(logits, rows)
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            picked = self._draw_full_cpu(x, batch, rows, tied_top_k_rows).tolist()
+            left = [j for j, token in enumerate(picked) if token < 0]
+            done = [j for j, token in enumerate(picked) if token >= 0]
+            chosen[[rows[j] for j in done]] = torch.tensor([picked[j] for j in done], dtype=chosen.dtype)
+            if not left:
+                return
+            rows, first_round = [rows[j] for j in left], CPU_SAMPLE_ROUNDS
         w = self._fp32(self._rows(logits, rows))  # in place when every row is here
         w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
         if tied_top_k_rows:  # apply the k-th value threshold over the whole row
@@ -363,7 +375,7 @@ class Sampler:
         ws, sws = w, sample_w  # the pending rows' tensors
         for round_ in range(MAX_REJECTION_ROUNDS):
             cdf = sws.cumsum(dim=-1)
-            u = self._uniforms(batch, [rows[j] for j in pending], round_)
+            u = self._uniforms(batch, [rows[j] for j in pending], first_round + round_)
             index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=w.shape[1] - 1)
             del cdf
             if top_p is None:
@@ -385,6 +397,24 @@ class Sampler:
             pending = [pending[i] for i in rejected]
         for j in pending:  # exact fallback for what is left: sort the row
             chosen[rows[j]] = self._sort_sample(w[j], sample_w[j], top_p[j], batch, rows[j])
+
+    def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int],
+                       tied_top_k_rows: set[int]) -> torch.Tensor:
+        """The first CPU_SAMPLE_ROUNDS draws of every row in the C kernel; -1 where all were
+        rejected."""
+        n = len(rows)
+        floor = torch.full((n,), NEG_INF)
+        if tied_top_k_rows:  # the k-th raw value bounds the row from below
+            where = {r: j for j, r in enumerate(batch.top_k_rows)}
+            for j, r in enumerate(rows):
+                if r in tied_top_k_rows:
+                    k = int(batch.top_k[where[r]])
+                    floor[j] = x[j].float().topk(k).values[-1]
+        temperature = batch.temperature[rows].view(-1)
+        min_p = batch.log_min_p[rows].exp().view(-1) if batch.any_min_p else torch.zeros(n)
+        top_p = batch.top_p[rows].view(-1) if batch.any_top_p else torch.ones(n)
+        uniforms = torch.cat([self._uniforms(batch, rows, round_) for round_ in range(CPU_SAMPLE_ROUNDS)], dim=1)
+        return cpu_kernels.sample_rows(x, temperature, min_p, top_p, floor, uniforms)
 
     def _sort_sample(self, w, sample_w, top_p, batch: SamplingBatch, row: int) -> torch.Tensor:
         ordered = w.sort(descending=True).values
