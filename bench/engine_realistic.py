@@ -23,9 +23,12 @@ Workloads (token-id prompts drawn from the tokenizer's regular tokens, the same 
   decode-bB    B requests of --decode-prompt-len tokens, run once with 1 output token and once with
                --decode-tokens: decode tokens/s = the extra tokens / the extra time (prefill cancels out)
 Timing is the same for every runner (bench/runner_protocol.py): generation only, after a warm-up of
-each mode; model load and warm-up reported apart. Runs are interleaved (for each mode and workload,
-every runner in turn) so that the machine's noise falls on all of them alike; --repeats N keeps the
-median. Also Strata's step-phase split (llm.stats() step_*_s) of each decode batch.
+each mode; model load and warm-up reported apart. Where memory allows all runners at once
+(--interleave auto; at L it does not on a 24 GB machine), runs are interleaved (for each mode and
+workload, every runner in turn) so that the machine's noise falls on all of them alike; otherwise
+one runner after the other. Each point runs --repeats times (per shape by default) and the median
+counts; each run records the share of the CPU other processes took meanwhile (the machine is shared).
+Also Strata's step-phase split (llm.stats() step_*_s) over each decode batch's decode steps.
 
 Prints the figures and ratios (Strata/vLLM, Strata/HF, sampled/greedy) with issue 16's targets;
 writes bench/results/engine_realistic.json (after every shape) and bench/results/engine_realistic.png.
@@ -66,6 +69,7 @@ MODES = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1, "seed": 1000},
 }
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
 DEFAULT_VLLM_VENV = "/work/peer/vllm-venv"
 # Issue 16's targets on this CPU.
@@ -84,16 +88,18 @@ class Sizes:
     decode_batches: tuple[int, ...] = (1, 4, 16, 32, 64)
     decode_prompt_len: int = 128
     decode_tokens: int = 32
+    repeats: int = 3  # runs of each point; the median counts
 
 
+# Sized so that the whole run takes about an hour on 2 cores (L dominates: ~40 minutes).
 FULL = {
     "S": Sizes(128, (16, 512), (16, 256), decode_tokens=64),
     "M": Sizes(64, (16, 512), (16, 256)),
-    "L": Sizes(32, (16, 512), (16, 128), decode_tokens=16),
+    "L": Sizes(24, (16, 256), (16, 64), decode_prompt_len=64, decode_tokens=16, repeats=1),
 }
 QUICK = {
     key: Sizes(16, (16, 128), (8, 32), prefill_lens=(128, 512), prefill_tokens=512, decode_batches=(1, 16, 64),
-               decode_prompt_len=64, decode_tokens=16)
+               decode_prompt_len=64, decode_tokens=16, repeats=2 if key != "L" else 1)
     for key in SHAPES
 }
 
@@ -136,6 +142,24 @@ def make_workloads(sizes: Sizes, ids: list[int], max_model_len: int, seed: int) 
 # ---------------------------------------------------------------- runner processes
 
 
+def machine_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def process_cpu_ticks(pid: int) -> int:
+    """User + system ticks of a process and its waited-for children, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    except OSError:
+        return 0
+
+
 class RunnerProcess:
     """One runner in its own process (bench/runner_protocol.py); every wait has a timeout."""
 
@@ -157,9 +181,17 @@ class RunnerProcess:
         return json.loads(line)
 
     def request(self, cmd: dict, timeout: float) -> dict:
+        """Send a command and wait for its answer; the answer gets `others_cpu`: the share of the
+        machine's CPU time that other processes took meanwhile (this machine is shared: a run with a
+        high share was slowed by someone else)."""
+        before = machine_cpu_ticks(), process_cpu_ticks(self.proc.pid)
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self.read(timeout)
+        answer = self.read(timeout)
+        (busy, total), own = machine_cpu_ticks(), process_cpu_ticks(self.proc.pid)
+        if total > before[0][1]:
+            answer["others_cpu"] = max(0.0, (busy - before[0][0] - (own - before[1])) / (total - before[0][1]))
+        return answer
 
     def log_tail(self, lines: int = 15) -> str:
         self.log.flush()
@@ -202,6 +234,78 @@ def runner_command(name: str, job_path: Path, args) -> tuple[list[str], dict]:
 # ---------------------------------------------------------------- one shape
 
 
+def available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_runners(names: list[str], key: str, job_path: Path, args, log_dir: Path, result: dict) -> dict:
+    """Start each runner and wait for it to load, one at a time so that load times do not contend."""
+    procs: dict[str, RunnerProcess] = {}
+    for name in names:
+        argv, env = runner_command(name, job_path, args)
+        proc = RunnerProcess(name, argv, env, log_dir / f"{key}-{name}.log")
+        try:
+            ready = proc.read(args.load_timeout)
+        except (TimeoutError, RuntimeError, ValueError) as exc:
+            ready = {"ready": False, "error": str(exc)}
+        if not ready.get("ready"):
+            result["skipped"][name] = f"did not load: {ready.get('error')}"
+            print(f"  {name}: did not load: {ready.get('error')} (log {proc.log_path})", flush=True)
+            proc.close()
+            continue
+        procs[name] = proc
+        result["runners"][name] = {"load_s": ready["load_s"], "notes": ready["notes"], "warmup_s": {}}
+        print(f"  {name}: loaded in {ready['load_s']:.1f} s" +
+              (f" ({'; '.join(ready['notes'])})" if ready["notes"] else ""), flush=True)
+    return procs
+
+
+def run_workloads(procs: dict[str, RunnerProcess], modes: dict, workloads: list[dict], repeats: int, args,
+                  result: dict) -> None:
+    """For each mode and workload, every runner in turn; a runner whose process dies or hangs is dropped.
+    A decode point's two runs (1 token, then --decode-tokens) go back to back for each runner, so that
+    both see the same noise."""
+    units: dict[str, list[dict]] = {}
+    for workload in workloads:
+        units.setdefault(workload["name"].removesuffix("-first"), []).append(workload)
+    for mode in modes:
+        for unit in units.values():
+            for name, workload in [(n, w) for n in list(procs) for w in unit]:
+                if name not in procs:  # died earlier in this unit
+                    continue
+                proc = procs[name]
+                times, others, answer = [], [], {}
+                for _ in range(repeats):
+                    try:
+                        answer = proc.request({"op": "run", "workload": workload["name"], "mode": mode},
+                                              args.run_timeout)
+                    except (TimeoutError, RuntimeError, ValueError) as exc:
+                        answer = {"error": str(exc)}
+                        proc.close()
+                        del procs[name]
+                        result["skipped"][name] = f"stopped at {mode} {workload['name']}: {exc}"
+                    if "error" in answer:
+                        break
+                    times.append(answer["seconds"])
+                    others.append(answer.pop("others_cpu", 0.0))
+                if "error" in answer:
+                    print(f"  {mode:7s} {workload['name']:18s} {name:9s} ERROR {answer['error']}", flush=True)
+                    result["runs"][mode][workload["name"]][name] = {"error": answer["error"]}
+                    continue
+                answer["seconds"] = statistics.median(times)
+                answer["seconds_all"] = times
+                answer["others_cpu"] = max(others)
+                result["runners"][name]["warmup_s"][mode] = answer.pop("warmup_s")
+                result["runs"][mode][workload["name"]][name] = answer
+                print(f"  {mode:7s} {workload['name']:18s} {name:9s} {answer['seconds']:8.2f} s  "
+                      f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens  "
+                      f"(others took {answer['others_cpu']:.0%} of the CPU)", flush=True)
+
+
 def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str], args, log_dir: Path) -> dict:
     shape = SHAPES[key]
     model_dir = ensure_model(key)
@@ -224,54 +328,24 @@ def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str
     result = {"model": str(model_dir), "params": shape.num_params(), "shape": dataclasses.asdict(shape),
               "sizes": dataclasses.asdict(sizes), "max_model_len": max_model_len, "runners": {},
               "skipped": dict(skipped), "runs": {m: {w["name"]: {} for w in workloads} for m in modes}}
-    procs: dict[str, RunnerProcess] = {}
-    try:
-        for name in runners:  # one at a time, so that load times do not contend
-            argv, env = runner_command(name, job_path, args)
-            proc = RunnerProcess(name, argv, env, log_dir / f"{key}-{name}.log")
-            try:
-                ready = proc.read(args.load_timeout)
-            except (TimeoutError, RuntimeError, ValueError) as exc:
-                ready = {"ready": False, "error": str(exc)}
-            if not ready.get("ready"):
-                result["skipped"][name] = f"did not load: {ready.get('error')}"
-                print(f"  {name}: did not load: {ready.get('error')} (log {proc.log_path})", flush=True)
+    interleave = args.interleave
+    if interleave == "auto":  # every runner holds the weights (and a copy or two while loading) and the KV budget
+        need = len(runners) * (shape.num_params() * DTYPE_BYTES[args.dtype] * 2 + (args.kv_cache_gib << 30))
+        interleave = "yes" if need < 0.7 * available_memory() else "no"
+        if interleave == "no":
+            print(f"  one runner at a time: {len(runners)} at once would need about {need / 2**30:.0f} GiB of "
+                  f"{available_memory() / 2**30:.0f} GiB available", flush=True)
+    result["interleaved"] = interleave == "yes"
+    for group in ([runners] if interleave == "yes" else [[r] for r in runners]):
+        procs = start_runners(group, key, job_path, args, log_dir, result)
+        try:
+            run_workloads(procs, modes, workloads, sizes.repeats, args, result)
+        finally:
+            for proc in procs.values():
                 proc.close()
-                continue
-            procs[name] = proc
-            result["runners"][name] = {"load_s": ready["load_s"], "notes": ready["notes"], "warmup_s": {}}
-            print(f"  {name}: loaded in {ready['load_s']:.1f} s" +
-                  (f" ({'; '.join(ready['notes'])})" if ready["notes"] else ""), flush=True)
-
-        for mode in modes:
-            for workload in workloads:
-                for name, proc in list(procs.items()):
-                    times, answer = [], {}
-                    for _ in range(args.repeats):
-                        try:
-                            answer = proc.request({"op": "run", "workload": workload["name"], "mode": mode},
-                                                  args.run_timeout)
-                        except (TimeoutError, RuntimeError, ValueError) as exc:
-                            answer = {"error": str(exc)}
-                            proc.close()
-                            del procs[name]
-                            result["skipped"][name] = f"stopped at {mode} {workload['name']}: {exc}"
-                        if "error" in answer:
-                            break
-                        times.append(answer["seconds"])
-                    if "error" in answer:
-                        print(f"  {mode:7s} {workload['name']:18s} {name:9s} ERROR {answer['error']}", flush=True)
-                        result["runs"][mode][workload["name"]][name] = {"error": answer["error"]}
-                        continue
-                    answer["seconds"] = statistics.median(times)
-                    answer["seconds_all"] = times
-                    result["runners"][name]["warmup_s"][mode] = answer.pop("warmup_s")
-                    result["runs"][mode][workload["name"]][name] = answer
-                    print(f"  {mode:7s} {workload['name']:18s} {name:9s} {answer['seconds']:8.2f} s  "
-                          f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens", flush=True)
-    finally:
-        for proc in procs.values():
-            proc.close()
+    others = [run["others_cpu"] for runs in result["runs"].values() for per_runner in runs.values()
+              for run in per_runner.values() if "others_cpu" in run]
+    result["others_cpu"] = {"median": statistics.median(others), "max": max(others)} if others else {}
     result["figures"] = figures(result, sizes, list(modes))
     result["ratios"] = ratios(result["figures"], list(modes))
     result["strata_decode_phases"] = strata_phases(result, sizes, list(modes))
@@ -298,7 +372,8 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
                 if run := _run(result, mode, f"prefill-{length}", runner):
                     fig["prefill"].setdefault(str(length), {})[runner] = run["prompt_tokens"] / run["seconds"]
             for batch in sizes.decode_batches:
-                first, full = _run(result, mode, f"decode-b{batch}-first", runner), _run(result, mode, f"decode-b{batch}", runner)
+                first = _run(result, mode, f"decode-b{batch}-first", runner)
+                full = _run(result, mode, f"decode-b{batch}", runner)
                 if not (first and full):
                     continue
                 extra = full["seconds"] - first["seconds"]
@@ -325,12 +400,12 @@ def ratios(figs: dict, modes: list[str]) -> dict:
                      "prefill": {k: against(v) for k, v in fig["prefill"].items()},
                      "decode": {k: against(v) for k, v in fig["decode"].items()}}
     if "greedy" in figs and "sampled" in figs:
+        def over(sampled: dict, greedy: dict) -> dict:
+            return {r: sampled[r] / greedy[r] for r in sampled if greedy.get(r)}
+
         g, s = figs["greedy"], figs["sampled"]
-        out["sampled/greedy"] = {
-            "throughput": {r: s["throughput"][r] / g["throughput"][r] for r in s["throughput"] if g["throughput"].get(r)},
-            "decode": {b: {r: s["decode"][b][r] / g["decode"][b][r] for r in s["decode"][b] if g["decode"].get(b, {}).get(r)}
-                       for b in s["decode"]},
-        }
+        out["sampled/greedy"] = {"throughput": over(s["throughput"], g["throughput"]),
+                                 "decode": {b: over(s["decode"][b], g["decode"].get(b, {})) for b in s["decode"]}}
     return out
 
 
@@ -373,7 +448,8 @@ def targets(shapes: dict) -> list[dict]:
                 check(f"{key} {mode} {label} strata/hf-static", value, TARGET_VS_HF_STATIC)
         sg = res["ratios"].get("sampled/greedy", {})
         if key in ("M", "L") and "32" in sg.get("decode", {}):
-            check(f"{key} decode b32 strata sampled/greedy", sg["decode"]["32"].get("strata"), TARGET_SAMPLED_OVER_GREEDY)
+            check(f"{key} decode b32 strata sampled/greedy", sg["decode"]["32"].get("strata"),
+                  TARGET_SAMPLED_OVER_GREEDY)
         if key == "L":
             share = res["strata_decode_phases"].get("sampled", {}).get("64", {}).get("sample")
             check("L sampled decode b64 strata sampling share of step time", share, TARGET_SAMPLE_SHARE, above=False)
@@ -388,7 +464,8 @@ def print_shape(key: str, res: dict) -> None:
     print(f"\n-- {key}: tokens/s (load s: " +
           ", ".join(f"{r} {res['runners'][r]['load_s']:.1f}" for r in runners) + ")")
     others = [o for o in ("vllm", "hf-static", "hf-cb") if o in runners and "strata" in runners]
-    print(f"  {'':7s} {'':14s}" + "".join(f"{r:>11s}" for r in runners) + "".join(f"{'strata/' + o:>18s}" for o in others))
+    print(f"  {'':7s} {'':14s}" + "".join(f"{r:>11s}" for r in runners)
+          + "".join(f"{'strata/' + o:>18s}" for o in others))
     for mode, fig in res["figures"].items():
         rows = [("throughput", fig["throughput"], res["ratios"][mode]["throughput"])]
         rows += [(f"prefill {k}", v, res["ratios"][mode]["prefill"][k]) for k, v in fig["prefill"].items()]
@@ -406,6 +483,9 @@ def print_shape(key: str, res: dict) -> None:
         for batch, split in per_batch.items():
             print(f"  strata {mode} decode b{batch} step split: " + ", ".join(
                 f"{p} {split[p] * 100:.0f}%" for p in PHASES if split.get(p, 0) >= 0.005))
+    if res["others_cpu"]:
+        print(f"  other processes took a median {res['others_cpu']['median']:.0%} (at most "
+              f"{res['others_cpu']['max']:.0%}) of the machine's CPU during these runs")
     for mode, fig in res["figures"].items():
         for what in fig["unreliable"]:
             print(f"  {mode} {what}: decode share under {MIN_DECODE_SHARE:.0%}, not counted (raise --decode-tokens)")
@@ -478,7 +558,8 @@ def plot(shapes: dict, path: Path, threads: int) -> None:
         ax.set_ylim(0, 100)
         ax.set_xlabel("decode batch")
         ax.set_ylabel("% of Strata's step time")
-        ax.set_title(f"{key} Strata decode step split ({'sampled' if 'sampled' in res['strata_decode_phases'] else 'greedy'}; "
+        which = "sampled" if "sampled" in res["strata_decode_phases"] else "greedy"
+        ax.set_title(f"{key} Strata decode step split ({which}; "
                      f"dotted: sampling target {TARGET_SAMPLE_SHARE:.0%})", fontsize=9)
         if row == 0:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -534,7 +615,9 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=parse_ints, help="batch sizes of the decode points")
     parser.add_argument("--decode-prompt-len", type=int)
     parser.add_argument("--decode-tokens", type=int, help="output tokens per decode request")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each point (the median counts)")
+    parser.add_argument("--repeats", type=int, help="runs of each point, the median counts (default: per shape)")
+    parser.add_argument("--interleave", choices=("auto", "yes", "no"), default="auto",
+                        help="all runners loaded at once, taking turns at every point (auto: when memory allows)")
     parser.add_argument("--vllm-venv", default=os.environ.get("STRATA_VLLM_VENV", DEFAULT_VLLM_VENV),
                         help=f"vLLM's venv (env STRATA_VLLM_VENV; default {DEFAULT_VLLM_VENV})")
     parser.add_argument("--vllm-cpu-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND (default: 0-<threads-1>)")
@@ -545,7 +628,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_realistic.json"))
     parser.add_argument("--png", default=str(ROOT / "bench" / "results" / "engine_realistic.png"))
     args = parser.parse_args()
-    if args.threads < 1 or args.repeats < 1:
+    if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         parser.error("--threads and --repeats must be >= 1")
 
     skipped = {}
@@ -559,7 +642,7 @@ def main() -> None:
         "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "prefill_lens": args.prefill_lens, "prefill_tokens": args.prefill_tokens,
         "decode_batches": args.decode_batches, "decode_prompt_len": args.decode_prompt_len,
-        "decode_tokens": args.decode_tokens}.items() if v is not None}
+        "decode_tokens": args.decode_tokens, "repeats": args.repeats}.items() if v is not None}
     log_dir = Path(tempfile.mkdtemp(prefix="engine_realistic_"))
     print(f"runners {', '.join(runners)}; {args.threads} threads each; {args.dtype}; runner logs in {log_dir}",
           flush=True)
