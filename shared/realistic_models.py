@@ -266,6 +266,7 @@ def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | N
         hf_tokenizer(tokenizer, shape.chat_style, shape.max_position).save_pretrained(tmp)
         model.save_pretrained(tmp, max_shard_size="20GB")  # one file: model.safetensors
         (tmp / "strata_model.json").write_text(json.dumps(_manifest(shape, digest, max_corpus_bytes), indent=1))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is for every reader
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
