@@ -604,7 +604,9 @@ def main() -> None:
     parser.add_argument("--modes", type=parse_list(tuple(MODES)), default=list(MODES), help="greedy,sampled")
     parser.add_argument("--quick", action="store_true", help="small workloads: a few minutes for S,M")
     parser.add_argument("--threads", type=int, default=2, help="threads for every runner")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="every runner's dtype (default bf16: what the M and L checkpoints hold, and what "
+                             "vLLM's CPU build runs by default)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for every runner (GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, help="throughput requests (default: per shape)")

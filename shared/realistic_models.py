@@ -39,7 +39,7 @@ from shared.settings import default_home
 # Packages whose files make the training text; each is pinned in pyproject.toml.
 CORPUS_PACKAGES = ("transformers", "torch", "numpy", "triton")
 CORPUS_SUFFIXES = (".py", ".pyi", ".h", ".hpp", ".cuh", ".md", ".rst", ".txt")
-BUILDER_VERSION = 1  # bump when a change here changes what gets built
+BUILDER_VERSION = 2  # bump when a change here changes what gets built
 
 # Two families of special tokens and chat templates: Llama's (the tiny model's) and Qwen's ChatML.
 LLAMA_SPECIALS = tiny_model.SPECIAL_TOKENS
@@ -65,6 +65,7 @@ class ModelShape:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     seed: int = 0
+    dtype: str = "bfloat16"  # what the checkpoint is saved in: bf16, as the models it stands for ship
 
     @property
     def chat_style(self) -> str:
@@ -82,7 +83,7 @@ class ModelShape:
 SHAPES: dict[str, ModelShape] = {
     # The tiny model itself (built by shared/tiny_model.py with its defaults).
     "S": ModelShape("tiny-llama", "llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                    intermediate_size=688, vocab_size=4096, max_position=2048),
+                    intermediate_size=688, vocab_size=4096, max_position=2048, dtype="float32"),
     "M": ModelShape("bench-llama-m", "llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                     intermediate_size=1408, vocab_size=32000, max_position=4096),
     "L": ModelShape("bench-qwen2-l", "qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -197,7 +198,7 @@ def _config(shape: ModelShape, tokenizer):
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position,
         rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta}, dtype=shape.dtype,
     )
     if shape.architecture == "llama":
         return LlamaConfig(**common, bos_token_id=tokenizer.token_to_id(tiny_model.BOS),
@@ -250,7 +251,8 @@ def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | N
     config = _config(shape, tokenizer)
     torch.manual_seed(shape.seed)  # transformers' own init runs first; the weights are ours below
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _fill_weights(model, shape)
+    _fill_weights(model, shape)  # drawn in fp32 (the same values whatever the dtype), then stored in it
+    model = model.to(getattr(torch, shape.dtype))
     if shape.chat_style == "chatml":
         model.generation_config.eos_token_id = [tokenizer.token_to_id("<|im_end|>"),
                                                 tokenizer.token_to_id("<|endoftext|>")]
