@@ -58,6 +58,7 @@ class Stack:
     up_started: float = 0.0
     api_key: str = ""
     down: bool = False
+    first_response_id: str = ""  # of the first test's chat completion, whose trace the next test follows
     containers: dict[str, str] = field(default_factory=dict)  # service -> container name
 
     def url(self, service: str) -> str:
@@ -205,14 +206,14 @@ def test_an_openai_client_streams_a_chat_completion(stack):
     assert finish == "length" and usage.completion_tokens == 24, (finish, usage)
     FIGURES["up_to_first_token_s"] = round(first_token - stack.up_started, 1)
     FIGURES["request_to_first_token_s"] = round(first_token - started, 3)
-    FIGURES["first_response_id"] = response_id
+    stack.first_response_id = response_id
 
 
 def test_the_trace_of_a_request_reaches_the_otlp_receiver(stack):
     """Gateway, scheduler and engine spans of one request share its trace, exported from three
     containers to the receiver the test runs on the host."""
-    response_id = FIGURES.get("first_response_id")
-    if response_id is None:
+    response_id = stack.first_response_id
+    if not response_id:
         client = OpenAI(base_url=stack.gateway + "/v1", api_key=stack.api_key, timeout=120, max_retries=0)
         response_id = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=4).id
