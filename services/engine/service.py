@@ -236,7 +236,7 @@ class EngineWorker:
         self.metrics.finished("error")
         self._emit(req.reply_to, TokenChunk(request_id=req.request_id, seq=seq_no, finish_reason="error",
                                             error=ErrorInfo(code=code, message=message),
-                                            replica_id=self.cfg.replica_id))
+                                            replica_id=self.cfg.replica_id, revision=self.cfg.revision or None))
 
     def _chunk(self, req: GenerateRequest, seq_no: int, last: RequestOutput) -> TokenChunk:
         chunk = TokenChunk(request_id=req.request_id, seq=seq_no, token_ids=last.new_token_ids, text=last.text_delta,
