@@ -146,6 +146,12 @@ class CanaryDriver:
         self._weighted = set(names)
         self.book.prune(now, keep=live)
 
+    async def refresh(self, name: str) -> None:
+        """Look at one deployment now (control calls it after a change: an analysis starts at once)."""
+        state = await deployments.read_state(self.redis, name)
+        if state is not None:
+            await self._analyse(name, state, self.clock())
+
     async def _analyse(self, name: str, state: DeploymentState, now: float) -> None:
         run = self.runs.get(name)
         if run is not None and run.canary != state.canary:
@@ -208,6 +214,8 @@ class CanaryDriver:
                           steps.index(state.canary_weight) if state.canary_weight in steps else -1,
                           started_at=now, step_started_at=now, updated_at=now, config=config.to_dict())
         log.info("canary analysis started", deployment=name, revision=state.canary, stable=state.stable, steps=steps)
+        for decision in ("step", "promote", "rollback"):  # from 0, so increase() sees the first one
+            self.decisions.labels(name, decision)
         if run.step_index < 0:
             await self._finish(run, "manual", f"the canary's weight ({state.canary_weight}%) is none of the "
                                               f"analysis' steps: set by hand", now)

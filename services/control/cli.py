@@ -294,9 +294,9 @@ def render_change(d: dict) -> str:
     rev = f"revision {d['revision']} applied; " if "revision" in d else ""
     line = f"{dep['name']}: {rev}traffic {_serving(d['serving'])}"
     if d.get("analysis"):
-        steps = " -> ".join(f"{w}%" for w in d["analysis"]["steps"])
-        line += (f"\n  canary analysis: r{dep['canary']} through {steps}, then promoted (or rolled back when worse "
-                 f"than r{dep['stable']}); `strata canary status {dep['name']}` follows it")
+        steps = " -> ".join(f"{w}%" for w in d["analysis"]["steps"] if w < 100)
+        line += (f"\n  canary analysis: r{dep['canary']} at {steps}, then promoted to 100% (or rolled back when "
+                 f"worse than r{dep['stable']}); `strata canary status {dep['name']}` follows it")
     return line
 
 

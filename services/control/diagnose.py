@@ -344,7 +344,7 @@ def _automatic_rollback(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     return Finding("tooling", "canary rollback", d.name, summary, [x for x in evidence if x],
                    f"nothing to undo: revision {a.get('canary_revision', '?')} serves no traffic; fix it and deploy a "
                    f"new revision (`strata history {d.name}` has the analysis' figures)",
-                   1.0 + (a.get("step") or 0) / 100)
+                   2.0 + (a.get("step") or 0) / 100)  # above a bad revision still serving: it explains that
 
 
 RULES = (_automatic_rollback, _revisions, _admission, _routing, _token_latency, _engine_queue)

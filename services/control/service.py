@@ -57,7 +57,7 @@ class ControlService:
                                registry=self.registry)
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
-        self.canary: CanaryDriver | None = None
+        self.analysis: CanaryDriver | None = None
         self.url = ""
 
     async def start(self) -> None:
@@ -66,13 +66,13 @@ class ControlService:
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
-        self.canary = CanaryDriver(self.redis, self.store, self._announce, self.registry)
+        self.analysis = CanaryDriver(self.redis, self.store, self._announce, self.registry)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
         await self.bus.subscribe(protocol.GATEWAY_STATS_ALL, GatewayStats, self._on_gateway_stats)
         self._sampler = asyncio.create_task(self._sample_loop())
-        self.canary.start()
+        self.analysis.start()
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -85,7 +85,7 @@ class ControlService:
     async def stop(self) -> None:
         self._sampler.cancel()
         self._announcer.cancel()
-        await self.canary.stop()
+        await self.analysis.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -102,7 +102,7 @@ class ControlService:
 
     async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
         self.fleet.on_gateway_stats(stats)
-        self.canary.on_gateway_stats(stats)
+        self.analysis.on_gateway_stats(stats)
 
     async def _sample_loop(self) -> None:
         while True:
@@ -211,6 +211,7 @@ class ControlService:
         spec = await loop.run_in_executor(None, specs.validate, data)
         state = await self.store.apply(spec, actor=key.tenant)
         await self._announce(spec.name, "apply", state)
+        await self.analysis.refresh(spec.name)  # a canary with an analysis: it starts now
         return web.json_response({"deployment": asdict(state), "revision": state.latest, "serving": state.serving(),
                                   "analysis": spec.canary.get("analysis") if state.canary == state.latest else None},
                                  status=201)

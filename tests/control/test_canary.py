@@ -3,22 +3,12 @@
 import numpy as np
 import pytest
 
+from bench.canary import synthetic_window as window
 from services.control.canary import (AnalysisConfig, SampleBook, Thresholds, Window, error_test, judge, next_action,
                                      parse_analysis, rank_test, weighted_quantile)
 from shared.protocol import GatewayStats, LatencySample, RevisionOutcomes
 
 TRIALS = 100
-
-
-def window(rng, n, slow=1.0, error_rate=0.0, ttft_s=0.08, itl_s=0.012) -> Window:
-    """n requests as a gateway sees them: log-normal TTFT and inter-token gaps, 1-64 tokens."""
-    tokens = rng.integers(1, 65, n)
-    ttft = rng.lognormal(np.log(ttft_s), 0.6, n) * slow
-    itl = rng.lognormal(np.log(itl_s), 0.35, n) * slow
-    errors = int(rng.binomial(n, error_rate))
-    ok = n - errors  # failed requests leave no latency sample
-    multi = tokens[:ok] > 1
-    return Window(ttft[:ok], itl[:ok][multi], (tokens[:ok][multi] - 1).astype(float), n, errors)
 
 
 def test_no_false_rollback_on_identical_distributions_in_100_seeded_trials():
