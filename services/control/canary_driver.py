@@ -61,6 +61,10 @@ class AnalysisRun:
     def step(self) -> int:
         return self.steps[self.step_index] if 0 <= self.step_index < len(self.steps) else 0
 
+    def to_dict(self) -> dict:
+        """As the API shows it: the stored fields and the current step's weight."""
+        return {**asdict(self), "step": self.step}
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

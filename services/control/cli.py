@@ -273,11 +273,16 @@ def render_status(d: dict) -> str:
     for s in d.get("scaler", []):
         lines.append(f"  scaler:     r{s['revision']} desired {s['desired']} (ready {s['ready']}, "
                      f"starting {s['starting']}){' PANIC' if s['panic'] else ''}: {s['reason']}")
+    if d.get("analysis") and d["analysis"]["status"] == "running":
+        a = d["analysis"]
+        lines.append(f"  canary:     r{a['canary']} analysis at {a['step']}% "
+                     f"({(a['last'] or {}).get('reason', 'starting')}; strata canary status {dep['name']})")
     lines.append("")
     lines.append(_table([[r["replica_id"], f"r{r['revision']}", r["state"], r["running"], r["waiting"],
-                          f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"]]
-                         for r in d["replicas"]],
-                        ["REPLICA", "REV", "STATE", "RUNNING", "WAITING", "KV", "TOK/S", "TTFT P90", "DONE", "FAILED"])
+                          f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"],
+                          r.get("metrics_url")] for r in d["replicas"]],
+                        ["REPLICA", "REV", "STATE", "RUNNING", "WAITING", "KV", "TOK/S", "TTFT P90", "DONE", "FAILED",
+                         "METRICS"])
                  if d["replicas"] else "  no replicas")
     return "\n".join(lines)
 

@@ -246,7 +246,7 @@ class ControlService:
             replica["metrics_url"] = f"{url}/metrics" if url else None
         run = await read_run(self.redis, name)
         return {"deployment": asdict(state), "serving": serving, "revisions": revs, **fleet,
-                "analysis": asdict(run) if run else None}
+                "analysis": run.to_dict() if run else None}
 
     async def delete(self, request: web.Request) -> web.Response:
         await self._admin(request)
@@ -336,7 +336,7 @@ class ControlService:
             raise ApiError(404, f"deployment {name} has no canary analysis (give its canary an analysis: "
                                 f"canary: {{analysis: {{steps: [5, 25, 50, 100]}}}})", "invalid_request_error", "name",
                            "not_found")
-        return web.json_response({"deployment": asdict(state), "serving": state.serving(), "analysis": asdict(run)})
+        return web.json_response({"deployment": asdict(state), "serving": state.serving(), "analysis": run.to_dict()})
 
     async def prometheus_targets(self, request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery (http_sd_configs): every registered engine (and with
@@ -374,5 +374,5 @@ class ControlService:
             out.append({"name": name, "deployment": asdict(state) if state else None,
                         "serving": state.serving() if state else {}, **self.fleet.status(name),
                         "series": self.fleet.series(name), "layers": self.fleet.layers(name),
-                        "analysis": asdict(run) if run else None})
+                        "analysis": run.to_dict() if run else None})
         return web.json_response({"at": time.time(), "deployments": out})
