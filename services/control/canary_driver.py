@@ -109,6 +109,7 @@ class CanaryDriver:
         self.weight = Gauge("strata:control_canary_weight_percent", "The canary revision's share of traffic.",
                             ["deployment"], registry=registry)
         self._weighted: set[str] = set()  # deployments with a weight gauge
+        self._lock = asyncio.Lock()  # the loop's ticks and refresh() after a change: one at a time
         self._http: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -133,28 +134,33 @@ class CanaryDriver:
             await asyncio.sleep(self.tick_s)
 
     async def tick(self) -> None:
-        now = self.clock()
+        async with self._lock:
+            await self._tick(self.clock())
+
+    async def _tick(self, now: float) -> None:
         live: set[tuple[str, int]] = set()
-        names = await deployments.list_names(self.redis)
-        for name in names:
+        weighted = set()
+        for name in await deployments.list_names(self.redis):
             state = await deployments.read_state(self.redis, name)
             if state is None:
                 continue
             live |= {(name, rev) for rev in (state.stable, state.canary) if rev}
             self.weight.labels(name).set(state.canary_weight if state.canary else 0)
+            weighted.add(name)
             await self._analyse(name, state, now)
-        for name in set(self.runs) - set(names):
+        for name in set(self.runs) - weighted:
             self.runs.pop(name)  # deleted
-        for name in self._weighted - set(names):
+        for name in self._weighted - weighted:
             self.weight.remove(name)
-        self._weighted = set(names)
+        self._weighted = weighted
         self.book.prune(now, keep=live)
 
     async def refresh(self, name: str) -> None:
         """Look at one deployment now (control calls it after a change: an analysis starts at once)."""
-        state = await deployments.read_state(self.redis, name)
-        if state is not None:
-            await self._analyse(name, state, self.clock())
+        async with self._lock:
+            state = await deployments.read_state(self.redis, name)
+            if state is not None:
+                await self._analyse(name, state, self.clock())
 
     async def _analyse(self, name: str, state: DeploymentState, now: float) -> None:
         run = self.runs.get(name)
