@@ -71,6 +71,7 @@ class ControlService:
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
         await self.bus.subscribe(protocol.GATEWAY_STATS_ALL, GatewayStats, self._on_gateway_stats)
+        await self.bus.subscribe(protocol.CONTROL_KEYS, KeyRevoked, self._on_key_revoked)  # other controls' revocations
         self._sampler = asyncio.create_task(self._sample_loop())
         self.analysis.start()
         self._runner = web.AppRunner(self.app(), access_log=None)
@@ -99,6 +100,9 @@ class ControlService:
 
     async def _on_scaler_decision(self, decision: ScalerDecision, _raw) -> None:
         self.fleet.on_scaler_decision(decision)
+
+    async def _on_key_revoked(self, msg: KeyRevoked, _raw) -> None:
+        self.keys.forget(msg.key_hash)
 
     async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
         self.fleet.on_gateway_stats(stats)
