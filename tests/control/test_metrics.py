@@ -34,7 +34,7 @@ VLLM_NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv
               "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
               "vllm:request_queue_time_seconds", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
               "vllm:num_preemptions_total"]
-METRIC_NAME = re.compile(r"\b(?:strata|vllm):[a-z_:]*[a-z_]")
+METRIC_NAME = re.compile(r"\b(?:strata|vllm):[a-z0-9_:]*[a-z0-9_]")
 
 
 def get(url: str, timeout: float = 10) -> str:
