@@ -216,16 +216,17 @@ async def test_dashboard_shows_live_figures(chromium, dashboard_stack, tmp_path)
                         float(page["cards"][card]) == float(page["chartNow"][chart]), (card, page)
 
                 # A deployment that is deleted leaves the dashboard (scaled to zero: it costs no engine).
-                control = dashboard_stack.client
-                control.deploy({"name": "short-lived", "model": dashboard_stack.model_dir,
-                                "replicas": {"min": 0, "max": 1}})
+                dashboard_stack.deploy({"name": "short-lived", "model": dashboard_stack.model_dir,
+                                        "replicas": {"min": 0, "max": 1}})
                 await cdp.wait_for("the new deployment's tab", lambda p: "short-lived" in p["tabs"], 20)
-                control.delete("short-lived")
+                dashboard_stack.client.delete("short-lived")
                 page = await cdp.wait_for("the deleted deployment gone", lambda p: p["tabs"] == ["tiny"], 20)
 
                 # A canary with an analysis: the panel shows its step and what it waits for.
-                control.deploy({"name": "tiny", "model": dashboard_stack.model_dir, "replicas": {"min": 1, "max": 1},
-                                "canary": {"analysis": {"steps": [10, 50], "min_requests": 1000, "interval_s": 1}}})
+                dashboard_stack.deploy({"name": "tiny", "model": dashboard_stack.model_dir,
+                                        "replicas": {"min": 1, "max": 1},
+                                        "canary": {"analysis": {"steps": [10, 50], "min_requests": 1000,
+                                                                "interval_s": 1}}})
                 page = await cdp.wait_for("the canary analysis", lambda p: p["analysis"] is not None and
                                           p["analysis"]["verdict"].startswith("wait at 10%"), 30)
                 assert page["analysis"]["status"] == "running" and page["analysis"]["step"] == "10", page
