@@ -234,6 +234,8 @@ def test_a_real_prometheus_answers_every_dashboard_query(deployed, prometheus):
     assert {g["name"] for g in rules} == {"strata-slo", "strata-capacity", "strata-replicas", "strata-tooling"}
     assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
     print(f"\n{len(dashboard_exprs())} dashboard queries run; empty on this stack (no such event yet): {len(empty)}")
+    for line in empty:
+        print(f"  {line[:160]}")
 
 
 def test_the_canary_analysis_custom_prometheus_check_rolls_back(deployed, prometheus, tiny_model_dir):
