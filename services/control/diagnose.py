@@ -28,6 +28,7 @@ class Thresholds:
     reachable_min: float = 0.2  # prefix fraction worth routing for
     hit_gap: float = 0.5  # hit rate below this fraction of the reachable rate: routing misses
     cold_start_margin_s: float = 5.0  # a replica whose metrics cover less of the window than this started in it
+    cold_start_share: float = 0.5  # of the admission wait spent before a replica was ready: a cold start
     error_ratio: float = 3.0  # a revision with this many times another's error rate
     error_rate_min: float = 0.05
     latency_ratio: float = 2.0  # a revision this many times slower than another
@@ -52,6 +53,7 @@ class EngineFigures:
     prefix_queries: float = 0.0  # prompt tokens looked up
     prefix_hits: float = 0.0
     preemptions: float = 0.0
+    cold_start_wait_s: float = 0.0  # admission wait of requests queued before this replica was ready, summed
     steps: float = 0.0
     step_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase in the window
 
@@ -179,19 +181,22 @@ def _started_in_window(d: DeploymentFigures, t: Thresholds) -> list[EngineFigure
 
 
 def _cold_start(d: DeploymentFigures, t: Thresholds, share: float) -> Finding | None:
-    """Admission wait while replicas were starting, none of those up all along being busy: the
-    requests waited for a replica to exist (scale from zero, a new deployment), not for room."""
-    young = _started_in_window(d, t)
+    """Most of the admission wait was requests queued before a replica was ready (each engine
+    counts those), and no replica up all along was busy: the requests waited for a replica to
+    exist (scale from zero, a new deployment), not for room on a full one."""
+    waited = d.layers.get("admission_wait", 0.0)
+    cold = sum(r.cold_start_wait_s for r in d.replicas)
+    young = [r for r in _started_in_window(d, t) if r.cold_start_wait_s > 0] or _started_in_window(d, t)
     old = [r for r in _ready(d) if r not in young]
     busy = [r for r in old if r.concurrency >= t.low_concurrency * r.max_num_seqs]
-    if not young or busy:
+    if waited <= 0 or cold < t.cold_start_share * waited or busy:
         return None
     starts = ", ".join(f"{r.replica_id} {max(d.window_s - r.window_s, 0):.0f} s into the window" for r in young)
     summary = (f"{share:.0%} of TTFT is admission wait while replicas started: a cold start, not saturation"
                + ("" if old else " (no replica was up when the window began)"))
-    evidence = [f"mean admission wait {_ms(d.layers.get('admission_wait', 0.0) / d.requests)} of a mean TTFT of "
-                f"{_ms(d.ttft_sum / d.requests)} over {d.requests:.0f} requests",
-                f"started in the {d.window_s:.0f} s window: {starts}",
+    evidence = [f"mean admission wait {_ms(waited / d.requests)} of a mean TTFT of {_ms(d.ttft_sum / d.requests)} "
+                f"over {d.requests:.0f} requests; {min(cold / waited, 1):.0%} of it before a replica was ready",
+                f"started in the {d.window_s:.0f} s window: {starts or 'none (the wait ended as one came up)'}",
                 "replicas now: " + (", ".join(f"{r.replica_id} {r.state}, {r.concurrency:.1f} requests in flight on "
                                               f"average (max_num_seqs {r.max_num_seqs})" for r in d.replicas)
                                     or "none")]

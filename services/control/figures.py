@@ -105,6 +105,7 @@ def _engine(replica: str, fields: dict[str, str], s: Samples | None) -> EngineFi
     e.prefix_queries = s.total("strata:prefix_cache_queries_total", **m)
     e.prefix_hits = s.total("strata:prefix_cache_hits_total", **m)
     e.preemptions = s.total("strata:num_preemptions_total", **m)
+    e.cold_start_wait_s = s.total("strata:cold_start_wait_seconds_total", **m)
     e.steps = s.total("strata:engine_step_duration_seconds_count", **m)
     e.step_phases = s.by("strata:engine_step_seconds_sum", "phase", **m)
     return e

@@ -63,6 +63,13 @@ class EngineMetrics:
         self._success = family(Counter("strata:request_success", "Finished requests by reason.",
                                        labels + ["finished_reason"], registry=r))
         r.register(VllmNames(vllm_named))
+        # Strata's own: requests that waited in an admission queue for this replica to start.
+        self.cold_start_requests = Counter("strata:cold_start_requests",
+                                           "Requests that reached a scheduler before this replica was ready, and "
+                                           "waited in its admission queue.", labels, registry=r).labels(**self._values)
+        self.cold_start_wait = Counter("strata:cold_start_wait_seconds",
+                                       "Seconds those requests waited before this replica was ready (its cold start), "
+                                       "summed.", labels, registry=r).labels(**self._values)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
         self.recent_ttft = LatencyWindow()
         self.recent_itl = LatencyWindow()
@@ -79,6 +86,14 @@ class EngineMetrics:
         self._success.labels(**self._values, finished_reason=reason).inc()
         self.finished_total += 1
         self.failed_total += reason == "error"
+
+    def arrived(self, timestamps: dict[str, float], ready_at: float) -> None:
+        """A request's hop timestamps (unix seconds) on arrival: one that was queued at a
+        scheduler before this replica was ready waited (also) for its cold start."""
+        received = timestamps.get("scheduler_received")
+        if received is not None and "scheduler_dequeued" in timestamps and received < ready_at:
+            self.cold_start_requests.inc()
+            self.cold_start_wait.inc(ready_at - received)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -122,9 +122,10 @@ def test_the_report_is_json():
 
 def test_a_cold_start_is_not_called_saturation():
     """Requests waited in the admission queue because the only replica was starting (scaled from
-    zero): its metrics cover 40 s of the 60 s window, and it is far from full."""
+    zero): it started 20 s into the 60 s window, and its engine counts 500 of the 550 s the
+    requests waited as spent before it was ready."""
     young = engine("e0", requests=20, concurrency=0.8, running=1)
-    young.window_s = 40.0
+    young.window_s, young.cold_start_wait_s = 40.0, 500.0
     d = deployment([young], ttft=6.0, admission=5.5, settings={"min_replicas": "0", "max_replicas": "2"})
     d.window_s = WINDOW
     verdict = diagnose(figures(d)).verdict
@@ -132,9 +133,16 @@ def test_a_cold_start_is_not_called_saturation():
     assert "saturat" not in verdict.summary.replace("not saturation", "")
     assert verdict.summary == ("92% of TTFT is admission wait while replicas started: a cold start, not saturation "
                                "(no replica was up when the window began)")
-    assert "e0 20 s into the window" in "\n".join(verdict.evidence)
+    evidence = "\n".join(verdict.evidence)
+    assert "91% of it before a replica was ready" in evidence and "e0 20 s into the window" in evidence
     assert "replicas.min 0" in verdict.fix
-    # The same wait with a replica that was up all along and full is saturation, as before.
+    # A replica that started in the window too, but the requests came once it was ready and
+    # queued because it was full: saturation.
+    young.cold_start_wait_s = 0.0
+    verdict = diagnose(figures(d)).verdict
+    assert verdict.area == "admission" and "was saturated" in verdict.summary
+    # The cold start's wait with a replica that was up all along and full is saturation too.
+    young.cold_start_wait_s = 500.0
     full = engine("e1", concurrency=64, running=64)
     full.window_s = WINDOW
     d.replicas = [young, full]
