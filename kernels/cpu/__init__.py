@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c")]
 _HEADERS = [Path(__file__).with_name("strata_math.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -70,6 +70,14 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
         fn = getattr(lib, f"strata_rotary_{suffix}")
         fn.restype, fn.argtypes = None, [p, p, n, i, p, n, i, p, i, n, i]
+        fn = getattr(lib, f"strata_silu_and_mul_{suffix}")
+        fn.restype, fn.argtypes = None, [p, p, n, i, i]
+        fn = getattr(lib, f"strata_argmax_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
+        fn = getattr(lib, f"strata_topk_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
+        fn = getattr(lib, f"strata_sample_rows_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
     return lib
 
 
@@ -173,3 +181,63 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
         cos_sin.data_ptr(), head_dim, q.shape[0], torch.get_num_threads())
 
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] (SwiGLU over a fused gate/up projection)."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    getattr(load(), f"strata_silu_and_mul_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1] if x.numel() else 0, d, torch.get_num_threads())
+    return out
+
+
+def _logit_rows(x: torch.Tensor) -> int:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("logits must be [rows, vocab] with a contiguous last dimension")
+    return x.stride(0)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of [rows, vocab] fp32/bf16 logits, read in place."""
+    stride = _logit_rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(load(), f"strata_argmax_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def topk_with_ties(x: torch.Tensor, k: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row the k largest values and every value tied with the k-th, sorted descending:
+    (values as fp32 [rows, cap], -inf past the count; indices [rows, cap]; counts [rows], -1
+    where more than `cap` values qualify). k <= vocab."""
+    stride = _logit_rows(x)
+    if not 0 < k <= x.shape[1]:
+        raise ValueError(f"k must be in [1, {x.shape[1]}], got {k}")
+    cap = max(min(cap, x.shape[1]), k)
+    values = torch.empty((x.shape[0], cap), dtype=torch.float32)
+    indices = torch.empty((x.shape[0], cap), dtype=torch.int64)
+    counts = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(load(), f"strata_topk_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, k, cap, values.data_ptr(), indices.data_ptr(),
+        counts.data_ptr(), torch.get_num_threads())
+    return values, indices, counts
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor,
+                floor_value: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws over whole rows of [rows, vocab] logits (fp32/bf16, read in place):
+    probabilities softmax(x / T) over x >= floor_value (a top-k cut, or -inf), min-p applied,
+    top-p by rejection with one uniform per round ([rows, rounds] fp64). -1 for a row whose
+    every round was rejected. Per-row parameters are fp32 [rows]."""
+    stride = _logit_rows(x)
+    rows = x.shape[0]
+    params = [t.to(torch.float32).contiguous().view(-1) for t in (temperature, min_p, top_p, floor_value)]
+    if any(t.numel() != rows for t in params) or uniforms.shape[0] != rows:
+        raise ValueError("one parameter per row")
+    uniforms = uniforms.to(torch.float64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"strata_sample_rows_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), rows, x.shape[1], stride, *(t.data_ptr() for t in params), uniforms.data_ptr(),
+        uniforms.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out

@@ -4,7 +4,7 @@
  * nine) over the activations, each allocating its result; these do one pass in place or into
  * one output, parallel over rows. Arithmetic is fp32, rounded to the model dtype where the torch
  * path (services.engine.backends.TorchOps) rounds: the residual sum, the normalized row before
- * the weight multiplies it.
+ * the weight multiplies it, silu before the product.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +20,9 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #define STORE_F32(p, i, v) ((p)[i] = (v))
 #define STORE_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
 
+/* Fewer elements than this run on one thread: waking a second one costs more than it saves. */
+#define PARALLEL_MIN 65536
+
 /* RMSNorm over rows of `hidden` (row strides in elements). With a residual (may be NULL):
  * residual = x + residual first, and the norm reads that sum (vLLM's fused_add_rms_norm).
  * out = weight * round(x * rsqrt(mean(x^2) + eps)). `out` may alias `x`. */
@@ -27,7 +30,7 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 void NAME(const T *x, long x_stride, T *residual, long res_stride, const T *weight, T *out,      \
           long out_stride, long rows, int hidden, float eps, int num_threads)                      \
 {                                                                                                   \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * hidden >= PARALLEL_MIN)") \
     for (long r = 0; r < rows; r++) {                                                              \
         const T *xr = x + r * x_stride;                                                            \
         T *orow = out + r * out_stride;                                                            \
@@ -61,7 +64,7 @@ void NAME(const int64_t *positions, T *q, long q_stride, int q_heads, T *k, long
           int k_heads, const float *cos_sin, int head_dim, long tokens, int num_threads)           \
 {                                                                                                   \
     const int half = head_dim / 2;                                                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN)") \
     for (long t = 0; t < tokens; t++) {                                                            \
         const float *cs = cos_sin + positions[t] * head_dim;                                       \
         for (int h = 0; h < q_heads + k_heads; h++) {                                              \
@@ -78,3 +81,24 @@ void NAME(const int64_t *positions, T *q, long q_stride, int q_heads, T *k, long
 
 DEFINE_ROTARY(strata_rotary_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROTARY(strata_rotary_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i] (SwiGLU on the fused gate/up projection): x [rows, 2d]
+ * contiguous, out [rows, d]. silu is rounded to the model dtype before the product, as torch's
+ * F.silu(gate) * up rounds it. */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                           \
+void NAME(const T *x, T *out, long rows, int d, int num_threads)                                  \
+{                                                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * d >= PARALLEL_MIN)") \
+    for (long r = 0; r < rows; r++) {                                                              \
+        const T *g = x + r * 2L * d, *u = g + d;                                                   \
+        T *o = out + r * (long)d;                                                                  \
+        _Pragma("omp simd")                                                                        \
+        for (int i = 0; i < d; i++) {                                                              \
+            const float a = LOAD(g, i);                                                            \
+            STORE(o, i, ROUND(a / (1.f + strata_expf(-a))) * LOAD(u, i));                          \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_SILU_AND_MUL(strata_silu_and_mul_f32, float, LOAD_F32, STORE_F32, round_f32)
+DEFINE_SILU_AND_MUL(strata_silu_and_mul_bf16, uint16_t, LOAD_BF16, STORE_BF16, round_bf16)

@@ -28,27 +28,106 @@
 /* Shortest span worth a task of its own. */
 #define MIN_SPAN 128
 
-/* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]. Writes per head
+/* Scores of one query head against 16 consecutive K rows (`row` elements apart), scaled, into
+ * out[0..15]. With AVX-512 the 16 dot products accumulate in 16 registers (bf16 pairs straight
+ * through vdpbf16ps where the CPU has AVX512-BF16) and one transpose-add tree reduces them, where
+ * a dot product at a time would pay a horizontal sum for each. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 reduce16(const __m512 *a) {  /* lane j = sum of a[j]'s 16 lanes */
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit chunk: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per chunk: the chunk sums of a[4i .. 4i+3] */
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+#define HAVE_SCORES16 1
+static void scores16_f32(const float *q, const float *k, long row, int head_dim, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 16) {
+        const __mmask16 m = head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, k + j * row + d), qv, acc[j]);
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
+static void scores16_bf16(const uint16_t *q, const uint16_t *k, long row, int head_dim, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    for (int d = 0; d < head_dim; d += 32) {  /* 32 bf16 pairs per instruction, fp32 sums */
+        const __mmask32 m = head_dim - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (head_dim - d)) - 1);
+        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, k + j * row + d), qv);
+    }
+#else
+    for (int d = 0; d < head_dim; d += 16) {  /* widen: bf16 bits are the top half of an fp32 */
+        const __mmask16 m = head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, q + d)), 16));
+        for (int j = 0; j < 16; j++) {
+            const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, k + j * row + d)), 16));
+            acc[j] = _mm512_fmadd_ps(kv, qv, acc[j]);
+        }
+    }
+#endif
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+#define SCORES16_F32(q, k, row, d, scale, out) scores16_f32(q, k, row, d, scale, out)
+#define SCORES16_BF16(q, k, row, d, scale, out) scores16_bf16(q, k, row, d, scale, out)
+#else
+#define HAVE_SCORES16 0
+#define SCORES16_F32(q, k, row, d, scale, out) ((void)0)
+#define SCORES16_BF16(q, k, row, d, scale, out) ((void)0)
+#endif
+
+/* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]; qn: the same in
+ * the cache's dtype. Writes per head
  * h: stats[2h] = max score, stats[2h + 1] = sum of exp(score - max), acc[h] = sum of
  * exp(score - max) * v (unnormalized). scores: scratch of num_heads * (t1 - t0) floats. */
-#define DEFINE_SPAN(NAME, T, LOAD)                                                                 \
-static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table,       \
-                 int t0, int t1, int num_heads, int num_kv_heads, int head_dim, int block_size,    \
-                 float scale, float *scores, float *stats, float *acc)                              \
+#define DEFINE_SPAN(NAME, T, LOAD, SCORES16)                                                       \
+static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache,                 \
+                 const int32_t *table, int t0, int t1, int num_heads, int num_kv_heads,            \
+                 int head_dim, int block_size, float scale, float *scores, float *stats, float *acc) \
 {                                                                                                   \
     const int group = num_heads / num_kv_heads, n = t1 - t0;                                       \
     const long row = (long)num_kv_heads * head_dim;                                                \
     const long block_stride = (long)block_size * row;                                              \
-    for (int t = t0; t < t1; t++) {                                                                \
-        const T *krow = k_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row; \
-        for (int h = 0; h < num_heads; h++) {                                                      \
-            const T *kh = krow + (long)(h / group) * head_dim;                                     \
-            const float *qh = q + (long)h * head_dim;                                              \
-            float s = 0.f;                                                                         \
-            _Pragma("omp simd reduction(+:s)")                                                     \
-            for (int d = 0; d < head_dim; d++) s += qh[d] * LOAD(kh, d);                           \
-            scores[(long)h * n + (t - t0)] = s * scale;                                            \
+    for (int t = t0; t < t1;) {  /* a run of consecutive rows: the span's part of one block */    \
+        const int offset = t % block_size, run = t1 - t < block_size - offset ? t1 - t : block_size - offset; \
+        const T *krow0 = k_cache + (long)table[t / block_size] * block_stride + (long)offset * row; \
+        if (t + run < t1) {  /* the next block lives elsewhere: start fetching it now */           \
+            const char *next = (const char *)(k_cache + (long)table[(t + run) / block_size] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
+        int j = 0;                                                                                  \
+        if (HAVE_SCORES16)                                                                          \
+            for (; j + 16 <= run; j += 16)                                                          \
+                for (int h = 0; h < num_heads; h++)                                                \
+                    SCORES16(qn + (long)h * head_dim, krow0 + (long)j * row + (long)(h / group) * head_dim, \
+                             row, head_dim, scale, scores + (long)h * n + (t - t0) + j);            \
+        for (; j < run; j++) {                                                                     \
+            const T *krow = krow0 + (long)j * row;                                                 \
+            for (int h = 0; h < num_heads; h++) {                                                  \
+                const T *kh = krow + (long)(h / group) * head_dim;                                 \
+                const float *qh = q + (long)h * head_dim;                                          \
+                float s = 0.f;                                                                     \
+                _Pragma("omp simd reduction(+:s)")                                                 \
+                for (int d = 0; d < head_dim; d++) s += qh[d] * LOAD(kh, d);                       \
+                scores[(long)h * n + (t - t0) + j] = s * scale;                                    \
+            }                                                                                      \
         }                                                                                          \
+        t += run;                                                                                  \
     }                                                                                              \
     for (int h = 0; h < num_heads; h++) {                                                          \
         float *sh = scores + (long)h * n;                                                          \
@@ -59,20 +138,29 @@ static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32
         stats[2 * h + 1] = sum;                                                                    \
     }                                                                                              \
     memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);                                  \
+    float vf[head_dim];  /* one KV head's V row, widened once for the whole group */               \
     for (int t = t0; t < t1; t++) {                                                                \
         const T *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row; \
-        for (int h = 0; h < num_heads; h++) {                                                      \
-            const float p = scores[(long)h * n + (t - t0)];                                        \
-            const T *vh = vrow + (long)(h / group) * head_dim;                                     \
-            float *ah = acc + (long)h * head_dim;                                                  \
+        if ((t % block_size == 0 || t == t0) && (t / block_size + 1) * block_size < t1) {          \
+            const char *next = (const char *)(v_cache + (long)table[t / block_size + 1] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                                \
+            const T *vh = vrow + (long)kh * head_dim;                                              \
             _Pragma("omp simd")                                                                    \
-            for (int d = 0; d < head_dim; d++) ah[d] += p * LOAD(vh, d);                           \
+            for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vh, d);                                \
+            for (int h = kh * group; h < (kh + 1) * group; h++) {                                  \
+                const float p = scores[(long)h * n + (t - t0)];                                    \
+                float *ah = acc + (long)h * head_dim;                                              \
+                _Pragma("omp simd")                                                                \
+                for (int d = 0; d < head_dim; d++) ah[d] += p * vf[d];                             \
+            }                                                                                      \
         }                                                                                          \
     }                                                                                              \
 }
 
-DEFINE_SPAN(span_f32, float, LOAD_F32)
-DEFINE_SPAN(span_bf16, uint16_t, LOAD_BF16)
+DEFINE_SPAN(span_f32, float, LOAD_F32, SCORES16_F32)
+DEFINE_SPAN(span_bf16, uint16_t, LOAD_BF16, SCORES16_BF16)
 
 /* q/out: [batch, num_heads, head_dim] of T; block_tables [batch, max_blocks]; context_lens [batch]. */
 #define DEFINE_KERNEL(NAME, T, SPAN, WIDEN, NARROW)                                                \
@@ -119,7 +207,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
             float *qf = work + (size_t)num_heads * (t1 - t0);                                      \
             const T *qb = q + (long)b * n;                                                         \
             for (long i = 0; i < n; i++) qf[i] = WIDEN(qb[i]);                                     \
-            SPAN(qf, k_cache, v_cache, block_tables + (long)b * max_blocks, t0, t1, num_heads,     \
+            SPAN(qf, qb, k_cache, v_cache, block_tables + (long)b * max_blocks, t0, t1, num_heads, \
                  num_kv_heads, head_dim, block_size, scale, work, stats, acc);                     \
             free(work);                                                                             \
         }                                                                                           \

@@ -28,7 +28,7 @@ static inline float strata_expf(float x) {
     /* Below -87.3 the result would be subnormal: return 0 (as softmax and silu need); above
      * 88.7 it overflows: clamp, so the caller sees FLT_MAX-scale values, not inf. */
     const float lo = -87.33654f, hi = 88.72283f;
-    const float clamped = fminf(fmaxf(x, lo), hi);
+    const float clamped = x < lo ? lo : (x > hi ? hi : x);  /* not fminf/fmaxf: they block SIMD */
     const float t = clamped * 1.44269504088896341f;     /* x / ln 2 */
     const float nf = floorf(t + 0.5f);                   /* nearest integer */
     const int n = (int)nf;

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata
@@ -151,7 +152,11 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:  # a prefill chunk: its slots in one numpy expression, not a Python loop per token
+                span = np.arange(start, start + n)
+                slots.extend((np.asarray(table, dtype=np.int64)[span // bs] * bs + span % bs).tolist())
 
         def tables(group) -> torch.Tensor:
             width = max((len(s.block_table) for s, _ in group), default=0)

@@ -9,10 +9,12 @@ The kept candidate set of a row is an intersection of thresholds on its scaled l
 in this order: top-k (the k-th largest value; ties with it stay), top-p (over the top-k set,
 renormalized: the smallest prefix by descending probability whose mass reaches top_p, the
 token that crosses it and its ties included), min-p (probability at least min_p times the
-largest). Nothing sorts the vocabulary: top-k rows pick from `topk(max_k + 1)` candidates; rows
-without top-k sample the whole row by inverse CDF, and top-p there is exact rejection sampling
-(draw from the row above a pivot, accept if the token is inside the top-p set, else raise the
-pivot to it), which needs about 1 / top_p rounds.
+largest). Nothing sorts the vocabulary: top-k rows pick among their k largest values and the
+k-th's ties; rows without top-k sample the whole row by inverse CDF, and top-p there is exact
+rejection sampling (draw from the row above a pivot, accept if the token is inside the top-p
+set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the vocabulary-wide
+passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
+read the logits in the model's dtype; elsewhere the same steps run as torch ops.
 
 Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
 (seed, output position, round), so a row's tokens depend on nothing else in the batch and a
@@ -26,10 +28,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
+CPU_SAMPLE_ROUNDS = 8  # top-p rejection rounds in the C kernel; a row rejected 8 times continues in torch
+TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties (C path); more: the full path
+TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -80,7 +86,6 @@ class SamplingBatch:
     num_rows: int
     device: torch.device
     all_greedy: bool = True
-    greedy: torch.Tensor | None = None  # [n] bool
     temperature: torch.Tensor | None = None  # [n, 1]; 1 on greedy rows
     top_k_rows: list[int] = field(default_factory=list)  # sampled rows with top-k on
     top_k: torch.Tensor | None = None  # [len(top_k_rows), 1] int64
@@ -115,6 +120,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator()  # unseeded rows; seeded once so runs are repeatable
         self.generator.manual_seed(0)
+        self._f32_buffer: torch.Tensor | None = None
 
     # ---- prepare: host, once per step --------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -137,7 +143,6 @@ class Sampler:
         def column(values, dtype=torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).view(-1, 1).to(dev, non_blocking=True)
 
-        batch.greedy = torch.tensor(greedy).to(dev, non_blocking=True)
         batch.temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)])
         for i in sampled:
             p = params[i]
@@ -192,12 +197,15 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-        """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten."""
-        logits = logits[:, :self.vocab_size].float()
+        """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten.
+        Logits stay in the model's dtype where only comparisons read them (argmax, top-k
+        candidates); penalties and whole-row sampling work on an fp32 copy."""
+        logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
-        logits = self.apply_penalties(logits, batch)
+        if batch.penalties is not None:
+            logits = self.apply_penalties(self._fp32(logits), batch)
         if batch.all_greedy:
-            chosen = logits.argmax(dim=-1)
+            chosen = self._argmax(logits)
         else:
             chosen = self._draw(logits, batch)
         token_ids = chosen.tolist()
@@ -210,10 +218,26 @@ class Sampler:
                 results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
         return SampleResult(token_ids, results)
 
+    # ---- the vocabulary-wide primitives: C kernels on CPU, torch elsewhere ----------------------
+    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x as fp32: itself, or a copy in a buffer kept across steps (a fresh [rows, vocab]
+        fp32 tensor is large enough to be mmap'ed, and its page faults cost more than the copy)."""
+        if x.dtype == torch.float32:
+            return x
+        if self._f32_buffer is None or self._f32_buffer.shape[0] < x.shape[0] or self._f32_buffer.device != x.device:
+            self._f32_buffer = torch.empty((max(x.shape[0], 64), self.vocab_size), dtype=torch.float32, device=x.device)
+        return self._f32_buffer[:x.shape[0], :x.shape[1]].copy_(x)
+
+    @staticmethod
+    def _argmax(x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            return cpu_kernels.argmax(x)
+        return x.argmax(dim=-1)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
         """Log-softmax of the raw logits (before penalties and temperature), asking rows only."""
-        raw = torch.log_softmax(logits[batch.logprob_rows], dim=-1)
+        raw = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
         k = max(batch.logprob_counts)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return raw, values, ids
@@ -252,7 +276,7 @@ class Sampler:
         return u.view(-1, 1).to(self.device, non_blocking=True)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        chosen = logits.argmax(dim=-1)  # greedy rows keep it
+        chosen = self._argmax(logits)  # greedy rows keep it
         fallback: list[int] = []
         if batch.top_k_rows:
             fallback = self._draw_top_k(logits, batch, chosen)
@@ -267,14 +291,32 @@ class Sampler:
             return logits
         return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
+    def _candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's k largest values and every value tied with its k-th (the kept set keeps
+        ties, and bf16 logits tie often): (fp32 values sorted descending, -inf as padding; ids;
+        complete: whether the row's candidates hold every such value, else it takes the full
+        path). On CPU one C pass; elsewhere topk, widened while ties reach its last column."""
+        vocab = x.shape[1]
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            values, ids, counts = cpu_kernels.topk_with_ties(x, k, k + TOP_K_TIE_ROOM)
+            return values, ids, counts >= 0
+        width = min(k + 1, vocab)
+        for _ in range(TOP_K_WIDENINGS):
+            values, ids = x.topk(width, dim=-1)
+            values = values.float()
+            complete = values[:, -1] < values[:, k - 1] if width < vocab else torch.ones_like(values[:, 0], dtype=torch.bool)
+            if bool(complete.all()):
+                break
+            width = min(4 * width, vocab)
+        return values, ids, complete
+
     def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor) -> list[int]:
-        """Rows with top-k: sample among topk(max_k + 1) candidates. Returns the rows whose k-th
-        value ties with values past the candidates; they take the full-row path."""
+        """Rows with top-k: sample among their candidates (the k-th value's ties included).
+        Returns the rows whose ties did not fit the candidates; they take the full-row path."""
         rows = batch.top_k_rows
-        vocab = logits.shape[1]
-        width = min(batch.max_top_k + 1, vocab)
         # Temperature scaling keeps the order: pick candidates first, then scale them.
-        values, ids = self._rows(logits, rows).topk(width, dim=-1)  # sorted, descending
+        values, ids, complete = self._candidates(self._rows(logits, rows), batch.max_top_k)
+        width = values.shape[1]
         values = values / batch.temperature[rows]
         kth = values.gather(1, batch.top_k - 1)
         keep = values >= kth
@@ -291,26 +333,32 @@ class Sampler:
         u = self._uniforms(batch, rows, 0)
         index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=width - 1)
         picked = ids.gather(1, index).view(-1)
-        fallback: list[int] = []
-        if width < vocab:
-            tied = (values[:, -1:] == kth).view(-1)
-            if bool(tied.any()):
-                fallback = tied.nonzero().view(-1).tolist()
-        if not fallback:
+        if bool(complete.all()):
             chosen[rows] = picked
             return []
-        good = [j for j in range(len(rows)) if j not in set(fallback)]
+        good = complete.nonzero().view(-1).tolist()
         if good:
             chosen[[rows[j] for j in good]] = picked[good]
-        return [rows[j] for j in fallback]
+        return [rows[j] for j in (~complete).nonzero().view(-1).tolist()]
 
     def _draw_full(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
                    tied_top_k_rows: set[int]) -> None:
         """Inverse-CDF sampling over whole rows; top-p by rejection against a rising pivot.
 
-        Works on w = exp((logit - max) / T), the unnormalized probabilities (largest 1), in one
-        buffer: the thresholds compare probabilities."""
-        w = self._rows(logits, rows)  # the step's logits themselves when every row is here
+        On CPU one C pass per row does it (the first rounds); elsewhere, and for a row the C
+        rounds all rejected, torch on w = exp((logit - max) / T), the unnormalized
+        probabilities (largest 1), in one buffer: the thresholds compare probabilities."""
+        first_round = 0
+        x = self._rows(logits, rows)
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            picked = self._draw_full_cpu(x, batch, rows, tied_top_k_rows).tolist()
+            left = [j for j, token in enumerate(picked) if token < 0]
+            done = [j for j, token in enumerate(picked) if token >= 0]
+            chosen[[rows[j] for j in done]] = torch.tensor([picked[j] for j in done], dtype=chosen.dtype)
+            if not left:
+                return
+            rows, first_round = [rows[j] for j in left], CPU_SAMPLE_ROUNDS
+        w = self._fp32(self._rows(logits, rows))  # in place when every row is here
         w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
         if tied_top_k_rows:  # apply the k-th value threshold over the whole row
             where = {r: j for j, r in enumerate(batch.top_k_rows)}
@@ -327,7 +375,7 @@ class Sampler:
         ws, sws = w, sample_w  # the pending rows' tensors
         for round_ in range(MAX_REJECTION_ROUNDS):
             cdf = sws.cumsum(dim=-1)
-            u = self._uniforms(batch, [rows[j] for j in pending], round_)
+            u = self._uniforms(batch, [rows[j] for j in pending], first_round + round_)
             index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=w.shape[1] - 1)
             del cdf
             if top_p is None:
@@ -349,6 +397,24 @@ class Sampler:
             pending = [pending[i] for i in rejected]
         for j in pending:  # exact fallback for what is left: sort the row
             chosen[rows[j]] = self._sort_sample(w[j], sample_w[j], top_p[j], batch, rows[j])
+
+    def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int],
+                       tied_top_k_rows: set[int]) -> torch.Tensor:
+        """The first CPU_SAMPLE_ROUNDS draws of every row in the C kernel; -1 where all were
+        rejected."""
+        n = len(rows)
+        floor = torch.full((n,), NEG_INF)
+        if tied_top_k_rows:  # the k-th raw value bounds the row from below
+            where = {r: j for j, r in enumerate(batch.top_k_rows)}
+            for j, r in enumerate(rows):
+                if r in tied_top_k_rows:
+                    k = int(batch.top_k[where[r]])
+                    floor[j] = x[j].float().topk(k).values[-1]
+        temperature = batch.temperature[rows].view(-1)
+        min_p = batch.log_min_p[rows].exp().view(-1) if batch.any_min_p else torch.zeros(n)
+        top_p = batch.top_p[rows].view(-1) if batch.any_top_p else torch.ones(n)
+        uniforms = torch.cat([self._uniforms(batch, rows, round_) for round_ in range(CPU_SAMPLE_ROUNDS)], dim=1)
+        return cpu_kernels.sample_rows(x, temperature, min_p, top_p, floor, uniforms)
 
     def _sort_sample(self, w, sample_w, top_p, batch: SamplingBatch, row: int) -> torch.Tensor:
         ordered = w.sort(descending=True).values

@@ -74,15 +74,15 @@ def annotate_request(gen: GenerateRequest, stream: bool) -> None:
         return
     s = gen.sampling
     span.update_name(f"{GENERATION_PATHS[request.path]} {gen.model}")
-    attributes = {"strata.request_id": gen.request_id, telemetry.GEN_AI_REQUEST_MODEL: gen.model,
-                  telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens, telemetry.GEN_AI_REQUEST_TEMPERATURE: s.temperature,
-                  telemetry.GEN_AI_REQUEST_TOP_P: s.top_p, telemetry.GEN_AI_REQUEST_STREAM: stream}
-    # Sampling fields a request leaves out are None (the engine fills them from the model's defaults).
-    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    span.set_attributes({"strata.request_id": gen.request_id, telemetry.GEN_AI_REQUEST_MODEL: gen.model,
+                         telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens, telemetry.GEN_AI_REQUEST_STREAM: stream})
+    # What the client set; unset fields take the model's defaults in the engine.
+    for attribute, value in ((telemetry.GEN_AI_REQUEST_TEMPERATURE, s.temperature),
+                             (telemetry.GEN_AI_REQUEST_TOP_P, s.top_p), (telemetry.GEN_AI_REQUEST_SEED, s.seed)):
+        if value is not None:
+            span.set_attribute(attribute, value)
     if s.top_k is not None and s.top_k > 0:
         span.set_attribute(telemetry.GEN_AI_REQUEST_TOP_K, s.top_k)
-    if s.seed is not None:
-        span.set_attribute(telemetry.GEN_AI_REQUEST_SEED, s.seed)
 
 
 def annotate_response(response_id: str, model: str, final: TokenChunk, ttft: float,
