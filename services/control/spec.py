@@ -193,4 +193,3 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement)
-

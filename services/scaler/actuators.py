@@ -233,8 +233,9 @@ class KubernetesActuator:
         self.prefix = prefix
         self.pending_timeout_s = pending_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        ca = Path(ca_file) if ca_file else self.SA_DIR / "ca.crt"
-        self.ssl = ssl.create_default_context(cafile=str(ca)) if ca.exists() else None
+        self.ca_file = ca_file  # given: it must exist (read when the client connects); else the pod's, if any
+        ca = self.SA_DIR / "ca.crt"
+        self.ssl = ssl.create_default_context(cafile=str(ca)) if not ca_file and ca.exists() else None
         self._session: aiohttp.ClientSession | None = None
         self._wanted: dict[str, dict[int, int]] = {}  # deployment -> revision -> replicas
         self._status: dict[str, tuple[int, int]] = {}  # deployment -> (spec.replicas, status.readyReplicas)
@@ -253,6 +254,11 @@ class KubernetesActuator:
 
     async def _request(self, method: str, url: str, json_body: dict | None = None) -> dict:
         if self._session is None:
+            if self.ca_file:
+                try:
+                    self.ssl = ssl.create_default_context(cafile=self.ca_file)
+                except OSError as exc:
+                    raise KubernetesApiError(0, f"cannot read the CA file {self.ca_file}: {exc.strerror or exc}") from None
             token = self.token
             if self.token_file:
                 try:

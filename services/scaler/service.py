@@ -281,8 +281,18 @@ class PoolMetrics:
         self.wanted = Gauge("strata:pool_wanted_replicas", "Replicas the scaler wants for a deployment.",
                             ["deployment"], registry=r)
         self._refusals: dict[str, int] = {}
+        self._pools: set[str] = set()
 
     def update(self, reports: list, short: dict[str, int], wanted: dict[str, int]) -> None:
+        # Series of retired pools and of deployments gone from a pool go away, not stay at their last value.
+        names = {p.name for p in reports}
+        for gone in self._pools - names:
+            for gauge in (self.capacity, self.effective, self.used, self.ready, self.cost, self.cold_start,
+                          self.backoff):
+                gauge.remove(gone)
+        self._pools = names
+        for gauge in (self.replicas, self.short, self.wanted):
+            gauge.clear()
         for p in reports:
             self.capacity.labels(p.name).set(p.capacity)
             self.effective.labels(p.name).set(p.effective_capacity)

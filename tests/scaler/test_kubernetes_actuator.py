@@ -86,6 +86,12 @@ async def test_pods_pending_past_the_timeout_and_api_refusals_are_the_pool_refus
             await unreachable.scale("llm", 1, spec, 1, {})
     finally:
         await unreachable.close()
+    no_ca = KubernetesActuator(api.url, "strata", token=TOKEN, ca_file=str(tmp_path / "missing-ca.crt"))
+    try:  # a CA bundle given and not there is the pool refusing, by name (not an unverified connection)
+        with pytest.raises(PoolRefused, match="cannot read the CA file .*missing-ca.crt"):
+            await no_ca.scale("llm", 1, spec, 1, {})
+    finally:
+        await no_ca.close()
 
 
 async def test_placement_over_two_clusters_spills_on_refusal_and_moves_back(tiny_model_dir, tmp_path):
