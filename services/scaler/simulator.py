@@ -301,9 +301,9 @@ class FleetSim:
         first_token = start + self.prefill_s[req]
         rep.prefill_free_at = first_token
         rep.requests[req] = first_token
-        if self.resumed[req]:
+        if self.resumed[req]:  # a continuation: its first token was delivered before its move
             self.requeued_at.pop(req, None)
-        else:  # a continuation's first token was delivered before its move  # a continuation's first token was delivered before its move
+        else:
             self.wait[req] = now - self.arrival[req]
             ttft = first_token - self.arrival[req] + rep.pool.rtt_s
             self.ttft[req] = ttft
@@ -434,6 +434,7 @@ class FleetSim:
             rep.state = STOPPED
             rep.stopped_at = self.now
             excess -= 1
+
         def newest(r: SimReplica) -> tuple:  # ids break ties: sets iterate in memory order
             return -r.started_at, r.replica_id
 
