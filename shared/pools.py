@@ -16,6 +16,7 @@ read by the scaler, which places each deployment's replicas across them
       api_url: https://k8s.us-east.example:6443
       namespace: strata
       token_file: /etc/strata/us-east.token   # or token: ... (never shown by the API)
+      ca_file: /etc/strata/us-east-ca.crt     # the API server's CA (a file missing: the pool refuses)
       deployment_prefix: strata-engine-
       pending_timeout_s: 300      # a pod not ready this long after it was asked for: the pool refuses
 
