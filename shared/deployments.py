@@ -43,6 +43,11 @@ class Scaling:
 
 
 @dataclass
+class Limits:
+    default_max_tokens: int = 1024  # chat requests that give no max_tokens (never past the context)
+
+
+@dataclass
 class DeploymentSpec:
     name: str
     model: str
@@ -53,6 +58,7 @@ class DeploymentSpec:
     routing: dict[str, str] = field(default_factory=lambda: {"policy": "kv_aware"})
     canary: dict[str, int] = field(default_factory=lambda: {"weight": 0})
     scaling: Scaling = field(default_factory=Scaling)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def routing_policy(self) -> str:
@@ -74,7 +80,8 @@ class DeploymentSpec:
         return cls(name=data["name"], model=data["model"], aliases=list(data.get("aliases", [])),
                    engine=dict(data.get("engine", {})), replicas=Replicas(**data.get("replicas", {})),
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
-                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})))
+                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
+                   limits=Limits(**data.get("limits", {})))
 
 
 @dataclass

@@ -130,18 +130,21 @@ async def ensure_stream(nc) -> bool:
         return False
 
 
-async def start(nats_url: str, service: str, instance: str) -> LogPublisher | None:
+async def start(nats_url: str, service: str, instance: str, auth=None) -> LogPublisher | None:
     """Publish this process's log lines (None if NATS cannot be reached: the service still runs,
     its lines only go to stderr)."""
     import nats
+
+    from shared.bus import NatsAuth, servers
 
     async def ignore(*_args) -> None:  # connection trouble must not log through the tap
         return None
 
     try:
-        nc = await nats.connect(servers=[nats_url], name=f"logs-{service}-{instance}", connect_timeout=5,
+        nc = await nats.connect(servers=servers(nats_url), name=f"logs-{service}-{instance}", connect_timeout=5,
                                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=ignore, disconnected_cb=ignore, reconnected_cb=ignore, closed_cb=ignore)
+                                error_cb=ignore, disconnected_cb=ignore, reconnected_cb=ignore, closed_cb=ignore,
+                                **(auth or NatsAuth()).connect_options())
     except Exception:
         return None
     await ensure_stream(nc)

@@ -20,6 +20,9 @@ import msgpack
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+PRIORITIES = ("critical", "standard", "sheddable")  # admission classes, highest first
+MAX_TOKENS_LIMIT = 2**31 - 1  # the most max_tokens may ask for; engines also bound it by their context
+MAX_LOGPROBS = 20
 
 # ---- Subjects -------------------------------------------------------------------------------
 PREFIX = "strata.v1"
@@ -364,12 +367,24 @@ class GenerateRequest(Message):
             value = getattr(s, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
+        if self.priority is not None and self.priority not in PRIORITIES:
+            raise ProtocolError(f"GenerateRequest: priority {self.priority!r} is not one of {', '.join(PRIORITIES)}")
+        if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ProtocolError(f"GenerateRequest: sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], "
+                                f"got {s.max_tokens}")
+        if s.top_k != -1 and s.top_k < 1:
+            raise ProtocolError(f"GenerateRequest: sampling.top_k must be -1 (off) or >= 1, got {s.top_k}")
+        if s.seed is not None and s.seed < 0:
+            raise ProtocolError(f"GenerateRequest: sampling.seed must be >= 0, got {s.seed}")
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"GenerateRequest: sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
 
 @dataclass
 class ErrorInfo(Message):
     code: str
     message: str
+    retry_after_s: float | None = None  # overloaded: when trying again is likely to find room
 
 
 @dataclass
@@ -411,8 +426,13 @@ class TokenChunk(Message):
 
 @dataclass
 class Cancel(Message):
+    """Abort a request. A cancel naming a replica is for that replica's run of the request only
+    (a scheduler withdrawing a forward that timed out): the other replicas ignore it, so it can
+    never refuse the retry on another one."""
+
     request_id: str
     tenant: str | None = None
+    replica_id: str | None = None
 
 
 @dataclass
@@ -457,6 +477,10 @@ class Heartbeat(Message):
     itl_p50_s: float | None = None  # recent inter-token latency
     requests_finished: int = 0  # cumulative, by outcome: rates and error ratios per revision
     requests_failed: int = 0
+    # Progress evidence: engine steps taken so far. Heartbeats come from a thread of their own
+    # (they never wait on a step), so a replica whose steps stop while it holds work is stalled
+    # even while it still beats; one whose steps advance slowly is only busy.
+    steps_total: int = 0
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")

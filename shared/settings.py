@@ -26,6 +26,18 @@ class Settings:
     log_format: str = "auto"  # json | console | auto (json unless stderr is a terminal)
     log_level: str = "info"
     api_key: str = ""
+    # NATS: credentials of this service's role (shared.nats_auth), TLS. nats_url may list several.
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_creds: str = ""  # a NATS credentials file (JWT + nkey seed) instead of user and password
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+
+    def nats_auth(self):
+        from shared.bus import NatsAuth
+
+        return NatsAuth.from_settings(self)
 
     @property
     def tiny_model_dir(self) -> Path:

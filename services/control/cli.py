@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from shared.protocol import PRIORITIES
 from shared.settings import Settings
 
 
@@ -110,7 +111,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await follow(settings.nats_url, lambda line: print(render(line, args.json), flush=True), stop,
-                     service=args.service, request_id=args.request, since=args.since)
+                     service=args.service, request_id=args.request, since=args.since, auth=settings.nats_auth())
 
     asyncio.run(run())
     return 0
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="tenant name")
     p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: unlimited)")
     p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: unlimited)")
-    p.add_argument("--priority", default="standard", choices=["critical", "standard", "sheddable"])
+    p.add_argument("--priority", default="standard", choices=PRIORITIES)
     p.add_argument("--admin", action="store_true", help="may use control's API")
     p.add_argument("--redis-url", dest="settings_redis_url", default=None,
                    help="write the key straight into Redis instead of through control (the first admin key)")

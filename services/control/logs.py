@@ -31,14 +31,17 @@ def render(line: LogLine, as_json: bool) -> str:
 
 
 async def follow(nats_url: str, emit: Callable[[LogLine], None], stop: asyncio.Event, service: str | None = None,
-                 request_id: str | None = None, since: float = 0.0) -> None:
+                 request_id: str | None = None, since: float = 0.0, auth=None) -> None:
     """Call emit(line) for every matching line until `stop` is set. since > 0: start that many
     seconds back (needs JetStream on the server)."""
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     subject = protocol.logs(service, "*") if service else protocol.LOGS_ALL
-    nc = await nats.connect(servers=[nats_url], name="strata-logs", connect_timeout=5)
+    from shared.bus import NatsAuth, servers
+
+    nc = await nats.connect(servers=servers(nats_url), name="strata-logs", connect_timeout=5,
+                            **(auth or NatsAuth()).connect_options())
 
     async def on_message(msg) -> None:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import structlog
@@ -24,7 +24,7 @@ from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyStore, create_key
 from services.gateway.openai_api import ApiError, error_response
 from shared import deployments, protocol, registry
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
 from shared.store import connect_redis
@@ -41,6 +41,7 @@ class ControlConfig:
     port: int = 8081
     control_id: str = "control"
     sample_interval: float = 2.0
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 class ControlService:
@@ -60,7 +61,7 @@ class ControlService:
 
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(control_id=self.cfg.control_id)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"control-{self.cfg.control_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"control-{self.cfg.control_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
@@ -277,7 +278,7 @@ class ControlService:
         priority, admin = body.get("priority", "standard"), body.get("admin", False)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rpm, tpm)):
             raise ApiError(400, "rpm and tpm must be non-negative integers", "invalid_request_error", "rpm")
-        if priority not in ("critical", "standard", "sheddable") or not isinstance(admin, bool):
+        if priority not in protocol.PRIORITIES or not isinstance(admin, bool):
             raise ApiError(400, "priority must be critical, standard or sheddable; admin true or false",
                            "invalid_request_error", "priority")
         api_key = await create_key(self.redis, name, rpm=rpm, tpm=tpm, priority=priority, admin=admin)

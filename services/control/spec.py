@@ -12,6 +12,7 @@ at once, so a bad file is fixed in one go:
     routing: {policy: kv_aware}
     canary: {weight: 20}        # > 0: this revision starts as a canary with that share of traffic
     scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
+    limits: {default_max_tokens: 1024}  # chat requests that give no max_tokens
 
 Pure: no I/O except reading the model's config.json to check its architecture.
 """
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from services.engine.model_config import ModelConfig
-from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo
+from shared.deployments import DeploymentSpec, Limits, Replicas, Scaling, Slo
 from services.scheduler.policy import POLICIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
@@ -156,6 +157,10 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
         errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
                                                  f"stable_window_s ({scaling.stable_window_s:g})"))
 
+    limits = _section(data.get("limits"), Limits, "limits", errors)
+    if limits.default_max_tokens < 1:
+        errors.append(("limits.default_max_tokens", "must be at least 1"))
+
     routing = data.get("routing", {"policy": "kv_aware"})
     if not isinstance(routing, dict) or set(routing) - {"policy"}:
         errors.append(("routing", "must be a mapping with one field, policy"))
@@ -173,4 +178,4 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     if errors:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
-                          slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling)
+                          slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, limits=limits)

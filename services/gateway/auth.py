@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 from shared import keys
 
 KEY_PREFIX = "sk-strata-"
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750's b64token: what a key can be
 
 
 def hash_key(api_key: str) -> str:
@@ -33,6 +35,8 @@ async def create_key(redis: aioredis.Redis, name: str, rpm: int = 0, tpm: int = 
                      admin: bool = False, api_key: str | None = None) -> str:
     """Store a key (a new random one unless given) and return it; only its hash is kept."""
     api_key = api_key or KEY_PREFIX + secrets.token_urlsafe(24)
+    if not BEARER_TOKEN.fullmatch(api_key):
+        raise ValueError("an API key is letters, digits and -._~+/ (RFC 6750's b64token)")
     await redis.hset(keys.api_key(hash_key(api_key)), mapping={
         "tenant": name, "rpm": rpm, "tpm": tpm, "priority": priority, "admin": int(admin),
         "created": int(time.time())})
@@ -56,8 +60,11 @@ class KeyStore:
         if not authorization.startswith("Bearer ") or not authorization[7:].strip():
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
                            None, "invalid_api_key")
+        token = authorization[7:].strip()
+        if not BEARER_TOKEN.fullmatch(token):  # bytes no key has (non-ASCII, controls): unknown, not an outage
+            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
         try:
-            key = await self.lookup(authorization[7:].strip())
+            key = await self.lookup(token)
         except Exception:
             raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
                            retry_after=1.0) from None

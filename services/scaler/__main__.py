@@ -55,8 +55,10 @@ def main(argv=None) -> int:
                                         log_dir=Path(args.engine_log_dir or settings.home / "logs"),
                                         extra_args=args.engine_arg)
     service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
-                                         http_host=args.http_host, http_port=args.http_port), actuator)
-    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service)))
+                                         http_host=args.http_host, http_port=args.http_port,
+                                         nats_auth=settings.nats_auth()), actuator)
+    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service),
+                               settings.nats_auth()))
     return 0
 
 

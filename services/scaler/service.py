@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from services.scaler.actuators import Actuator
 from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
 from shared import http, protocol, registry
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.logging import get_logger
 from shared.protocol import Heartbeat, ScalerDecision, SchedulerStats
@@ -40,6 +40,7 @@ class ScalerConfig:
     stale_after: float = 5.0  # a heartbeat or scheduler report older than this is ignored
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 def policy_config(deployment: Deployment, cold_start_s: float) -> ScalingConfig:
@@ -89,7 +90,7 @@ class ScalerService:
 
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(scaler_id=self.cfg.scaler_id)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"scaler-{self.cfg.scaler_id}")
         self.deployments = DeploymentWatcher(self.redis)
         await self.deployments.start(self.bus)
