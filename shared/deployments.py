@@ -173,9 +173,20 @@ async def load(redis: aioredis.Redis, name: str) -> Deployment | None:
     return Deployment(state, specs) if state.stable in specs else None
 
 
+async def deleted(redis: aioredis.Redis, name: str) -> bool:
+    """Whether control deleted the deployment (recently: the tombstone expires after a day)."""
+    return bool(await redis.exists(keys.deployment_deleted(name)))
+
+
 class DeploymentWatcher:
     """A live copy of all deployments; on_change(name, deployment or None) runs after each
-    change this copy sees (None: deleted)."""
+    change this copy sees (None: deleted).
+
+    A deployment leaves the copy only when control deleted it (its tombstone says so). One that
+    is missing from the store without a tombstone was lost with the store's data (Valkey restarted
+    empty, a failover to a replica without it): the copy holds it, as desired state that stands
+    until someone changes it, and lists it in `lost` (an outage to alarm on; control restores it).
+    """
 
     def __init__(self, redis: aioredis.Redis, on_change: Callable[[str, Deployment | None], Awaitable[None]] | None = None,
                  resync_interval: float = 5.0):
@@ -183,6 +194,7 @@ class DeploymentWatcher:
         self.on_change = on_change
         self.resync_interval = resync_interval
         self.deployments: dict[str, Deployment] = {}
+        self.lost: set[str] = set()  # held, but missing from the store (not deleted)
         self._task: asyncio.Task | None = None
 
     async def start(self, bus) -> None:
@@ -203,6 +215,13 @@ class DeploymentWatcher:
     async def refresh(self, name: str) -> None:
         deployment = await load(self.redis, name)
         before = self.deployments.get(name)
+        if deployment is None and before is not None and not await deleted(self.redis, name):
+            if name not in self.lost:
+                log.error("deployment missing from the store without being deleted: holding its last known state "
+                          "(the store lost its data?)", deployment=name, generation=before.state.generation)
+                self.lost.add(name)
+            return
+        self.lost.discard(name)
         if deployment is None:
             self.deployments.pop(name, None)
         else:

@@ -37,29 +37,56 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     name = served_model_name(model_dir)
+    # Our own NATS admits only the services' roles (credentials by environment); our own Valkey
+    # keeps its data (AOF) under STRATA_HOME/data, so desired state outlives a crash or a restart.
     stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
                        redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
-                       deployment=name, control=True, scaler=True, control_port=args.control_port)
+                       deployment=name, control=True, scaler=True, control_port=args.control_port, auth=True,
+                       data_dir=None if settings.nats_url and settings.redis_url else settings.home / "data")
     with stack:
         stack.deploy({"name": name, "model": model_dir,
                       "replicas": {"min": args.engines, "max": max(args.max_engines, args.engines)}})
         if args.engines:
             stack.wait_replicas(name, args.engines)
+            stack.wait_serving()  # "up" means a request is served, not only that ports are open
         write_cli_config(stack.control_url, stack.api_key, settings.home)
+        credentials = write_nats_credentials(stack.infra, settings.home)
         print(f"strata is up\n"
               f"  base url: {stack.base_url}/v1\n"
               f"  api key:  {stack.api_key}\n"
               f"  model:    {name} ({model_dir})\n"
               f"  engines:  {args.engines} (scaler: up to {max(args.max_engines, args.engines)})\n"
               f"  control:  {stack.control_url}  (dashboard: {stack.control_url}/dashboard#key={stack.api_key})\n"
-              f"  nats:     {stack.infra.nats_url}\n"
+              f"  nats:     {stack.infra.nats_url}"
+              f"{f' (credentials: {credentials})' if credentials else ''}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
               f"  status:   strata status {name}\n"
               f"Ctrl-C stops everything.", flush=True)
-        stop.wait()
+        while not stop.wait(2.0):
+            try:  # a store that lost its data gets the admin key back (shared.store.StoreEpoch)
+                stack.ensure_key()
+            except Exception as exc:
+                print(f"warning: cannot provision the admin key: {exc}", file=sys.stderr, flush=True)
         print("stopping", flush=True)
     return 0
+
+
+def write_nats_credentials(infra, home) -> str:
+    """STRATA_NATS_USER / STRATA_NATS_PASSWORD for the admin (`strata logs`) and a bus client
+    (another team's service, docs/protocol.md), one env file each, readable only by this user;
+    returns their directory ("" without auth)."""
+    if not infra.users:
+        return ""
+    directory = home / "nats"
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    for role in ("admin", "client"):
+        path = directory / f"{role}.env"
+        path.touch(0o600)
+        path.chmod(0o600)
+        path.write_text("".join(f"{k}={v}\n" for k, v in infra.env_for(role).items()))
+    return str(directory)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

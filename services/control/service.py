@@ -4,6 +4,10 @@ Every change is stored in Redis as a revision or a state change (services.contro
 announced on CONTROL_DEPLOYMENTS; the gateway, schedulers and scaler pick it up without a
 restart. The fleet view (heartbeats, scheduler stats, scaler decisions) feeds `strata status`
 and the dashboard.
+
+Control holds a copy of every deployment (shared.deployments.DeploymentWatcher). When the store
+loses them (Valkey restarted empty, a failover to a replica without the data), it writes its copy
+back and announces each again: the desired state stands until someone changes it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from shared import deployments, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
-from shared.store import connect_redis
+from shared.store import StoreEpoch, connect_redis
 
 log = get_logger()
 STATIC = Path(__file__).parent / "static"
@@ -55,6 +59,9 @@ class ControlService:
         self.registry = CollectorRegistry()
         self.changes = Counter("strata:control_deployment_changes", "Deployment changes by action.", ["action"],
                                registry=self.registry)
+        self.restores = Counter("strata:control_deployments_restored",
+                                "Deployments written back after the store lost them.", registry=self.registry)
+        self.deployments: deployments.DeploymentWatcher | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
         self.url = ""
@@ -65,6 +72,8 @@ class ControlService:
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
+        self.deployments = deployments.DeploymentWatcher(self.redis)
+        await self.deployments.start(self.bus)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
@@ -77,11 +86,15 @@ class ControlService:
         self.url = f"http://{self.cfg.host}:{site._server.sockets[0].getsockname()[1]}"
         self._announcer = asyncio.create_task(registry.keep_announced(self.redis, "control", self.cfg.control_id,
                                                                       {"http_url": self.url}))
+        self._guards = [asyncio.create_task(self.keys.watch()), asyncio.create_task(self._restore_loop())]
         log.info("control ready", url=self.url)
 
     async def stop(self) -> None:
         self._sampler.cancel()
         self._announcer.cancel()
+        for task in self._guards:
+            task.cancel()
+        self.deployments.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -98,6 +111,29 @@ class ControlService:
 
     async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
         self.fleet.on_gateway_stats(stats)
+
+    async def _restore_loop(self, interval: float = 1.0) -> None:
+        """Write back (and announce) the deployments the store lost, as soon as it is seen."""
+        epoch = StoreEpoch(self.redis)
+        while True:
+            try:
+                lost = await epoch.lost()
+                missing = set(self.deployments.deployments) if lost else set(self.deployments.lost)
+                if lost:
+                    log.error("the store lost its data: restoring the deployments control holds",
+                              deployments=sorted(missing))
+                await self.restore(missing)
+            except Exception as exc:  # Redis away: the next round tells
+                log.debug("store check failed", error=str(exc))
+            await asyncio.sleep(interval)
+
+    async def restore(self, names) -> None:
+        for name in sorted(names):
+            deployment = self.deployments.deployments.get(name)
+            if deployment is not None and await self.store.restore(deployment, actor=self.cfg.control_id):
+                self.restores.inc()
+                log.warning("deployment restored", deployment=name, generation=deployment.state.generation)
+                await self._announce(name, "restore", deployment.state)
 
     async def _sample_loop(self) -> None:
         while True:

@@ -110,6 +110,9 @@ class GatewayMetrics:
                                      "Connections closed or refused by the HTTP limits, by reason (header_timeout, "
                                      "body_timeout, write_timeout, connection_limit).", ["reason"], registry=r)
         self.connections = Gauge("strata:gateway_open_connections", "Open HTTP connections.", registry=r)
+        self.store_losses = Gauge("strata:gateway_store_data_losses",
+                                  "Times the key store was found to have lost its data (the keys this gateway "
+                                  "knew were written back).", registry=r)
         self.scheduler_verdicts = Counter("strata:gateway_scheduler_dead_verdicts",
                                           "Requests failed because the scheduler holding them fell silent.",
                                           registry=r)
@@ -158,6 +161,7 @@ class GatewayService:
         self._inbox = f"{self.bus.inbox_prefix}.gw.{self.cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
+        self.metrics.store_losses.set_function(lambda: self.keys.losses)
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
         await self.deployments.start(self.bus)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
@@ -174,7 +178,8 @@ class GatewayService:
         port = self._listener.sockets[0].getsockname()[1]
         self.url = f"http://{self.cfg.host}:{port}"
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
-            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url}))]
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})),
+            asyncio.create_task(self.keys.watch())]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:

@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_nats_env(environ=os.environ) -> dict[str, str]:
+    """The engines the local actuator starts get the engine role's NATS credentials, given to the
+    scaler as STRATA_ENGINE_NATS_USER / STRATA_ENGINE_NATS_PASSWORD (not its own role's)."""
+    return {f"STRATA_NATS_{name}": environ[f"STRATA_ENGINE_NATS_{name}"] for name in ("USER", "PASSWORD")
+            if f"STRATA_ENGINE_NATS_{name}" in environ}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
@@ -53,7 +60,7 @@ def main(argv=None) -> int:
     else:
         actuator = LocalProcessActuator(settings.nats_url, settings.redis_url,
                                         log_dir=Path(args.engine_log_dir or settings.home / "logs"),
-                                        extra_args=args.engine_arg)
+                                        extra_args=args.engine_arg, engine_env=engine_nats_env())
     service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
                                          http_host=args.http_host, http_port=args.http_port,
                                          nats_auth=settings.nats_auth()), actuator)

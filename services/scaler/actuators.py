@@ -64,6 +64,7 @@ class LocalProcessActuator:
     redis_url: str
     log_dir: Path
     extra_args: list[str] = field(default_factory=list)  # given to every engine (e.g. --threads 1)
+    engine_env: dict[str, str] = field(default_factory=dict)  # e.g. the engine role's NATS credentials
     stop_timeout: float = 60.0  # drain time allowed at close()
     groups: dict[tuple[str, int], dict[str, LocalReplica]] = field(default_factory=dict)
 
@@ -99,7 +100,8 @@ class LocalProcessActuator:
                 "--redis-url", self.redis_url, "--log-format", "json", *engine_flags(spec.engine), *self.extra_args]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **self.engine_env})
         group[replica_id] = LocalReplica(replica_id, proc, time.monotonic())
         log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -92,7 +93,7 @@ def start_gateway(stack: LocalStack, name: str, timeout: float = 60.0) -> tuple[
             [sys.executable, "-m", "services.gateway", "--model", stack.model_dir, "--served-model-name",
              stack.deployment, "--port", str(port), "--gateway-id", name, "--nats-url", stack.infra.nats_url,
              "--redis-url", stack.infra.redis_url, "--log-format", "json"],
-            stdout=log_file, stderr=subprocess.STDOUT)
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **stack.infra.env_for("gateway")})
     stack.services[name] = proc
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

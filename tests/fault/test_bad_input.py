@@ -186,6 +186,8 @@ def targets(stack) -> list[tuple[str, str, type]]:
         "GATEWAY_STATS_ALL": (protocol.gateway_stats("gateway-0"), protocol.GatewayStats),
         "gateway_stats": (protocol.gateway_stats("fuzzed-gateway"), protocol.GatewayStats),
         "engine_generate": (protocol.engine_generate(replica), protocol.GenerateRequest),
+        "ENGINE_GENERATE_ALL": (protocol.engine_generate(replica), protocol.GenerateRequest),
+        "ENGINE_KV_SNAPSHOT_ALL": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
         "engine_kv_snapshot": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
         # Read by `strata logs` (kept a while by JetStream), not by a service: garbage must not stop them.
         "LOGS_ALL": (protocol.logs("gateway", "gateway"), protocol.LogLine),
