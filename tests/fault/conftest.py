@@ -23,7 +23,10 @@ ENGINE_ARGS = ["--threads", "1", "--num-kv-blocks", "512", "--lease-ttl", "3", "
 
 
 def make_stack(model_dir, log_dir, engines: int = 2, schedulers: int = 1, **kwargs) -> LocalStack:
+    """A stack on an authenticated bus (each service with its role's credentials); a test's own
+    connections use the admin's (`stack.infra.nats_url_as("admin")`)."""
     kwargs.setdefault("engine_args", ENGINE_ARGS)
+    kwargs.setdefault("auth", True)
     return LocalStack(str(model_dir), engines=engines, schedulers=schedulers, log_dir=log_dir, **kwargs).start()
 
 

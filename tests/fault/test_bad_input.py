@@ -248,7 +248,7 @@ def payloads(cls) -> list[tuple[str, bytes]]:
 
 
 async def test_garbage_on_every_subject_leaves_every_service_serving(stack):
-    bus = await Bus.connect(stack.infra.nats_url, "fuzzer")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "fuzzer")
     replies = {}
     try:
         for name, subject, cls in targets(stack):
@@ -276,7 +276,7 @@ async def test_garbage_on_every_subject_leaves_every_service_serving(stack):
 
 
 async def test_garbage_on_a_live_requests_reply_and_routing_subjects_does_not_disturb_it(stack):
-    bus = await Bus.connect(stack.infra.nats_url, "fuzzer")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "fuzzer")
     seen: set[str] = set()
 
     async def spy(msg):

@@ -53,7 +53,7 @@ async def engine_running(stack, replica: str) -> float:
 async def test_a_continuation_is_not_routed_to_the_replica_it_left(stack):
     """Even where routing would prefer it (it holds the prompt's prefix), the replica a resumed
     stream left is presumed dead: the continuation goes elsewhere."""
-    bus = await Bus.connect(stack.infra.nats_url, "test-resume-routing")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "test-resume-routing")
     try:
         prompt = list(range(100, 260))  # ten blocks: the prefix-cache weight outbids the load
         first = (await stream_request(bus, protocol.GENERATE, generate(prompt)))[-1]
