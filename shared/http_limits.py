@@ -32,9 +32,13 @@ class HttpLimits:
     write_timeout: float = 30.0  # one write to a client that does not read (a stalled stream)
     keepalive_timeout: float = 15.0  # an idle keep-alive connection between requests
     max_connections: int = 4096  # open connections; more are refused with 503
+    # After answering a request whose body was not read (refused early, or too slow), aiohttp
+    # reads and drops the rest of it this long before closing (its default, 10 s, is what a
+    # client sending a byte a second would want).
+    lingering_time: float = 1.0
 
     def runner_kwargs(self) -> dict:
-        return {"keepalive_timeout": self.keepalive_timeout}
+        return {"keepalive_timeout": self.keepalive_timeout, "lingering_time": self.lingering_time}
 
 
 class ClientGone(Exception):
