@@ -92,6 +92,7 @@ class EngineWorker:
         self._tokens_per_s = 0.0
         self.exit_code = 0
         self._drain_aborted: set[str] = set()
+        self._withdrawn: set[str] = set()  # cancelled by name for this replica: its scheduler answers the caller
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
         self._accepted_total = 0
         self._latency: tuple[float | None, float | None] = (None, None)  # recent TTFT p90, ITL p50
@@ -313,7 +314,9 @@ class EngineWorker:
         if owner is not None and msg.tenant != owner:
             log.warning("cancel refused: tenant mismatch", request_id=msg.request_id)
             return
-        log.info("cancel", request_id=msg.request_id)
+        log.info("cancel", request_id=msg.request_id, withdrawn=msg.replica_id is not None)
+        if msg.replica_id is not None:  # taken after its scheduler gave up on it: the caller is served elsewhere
+            self._withdrawn.add(msg.request_id)
         self.engine.abort(msg.request_id)
 
     async def _publish_kv_events(self) -> None:
@@ -445,6 +448,12 @@ class ChunkSink:
 
     def deliver(self, out: RequestOutput) -> None:
         w, req = self.worker, self.req
+        if req.request_id in w._withdrawn:  # another replica streams it: send the caller nothing
+            if out.finished:
+                w._withdrawn.discard(req.request_id)
+                self._observe(out, ErrorCode.CANCELLED)
+                self._end(lambda: w.metrics.finished("abort"))
+            return
         try:
             if out.finished and self.expired:
                 self._observe(out, ErrorCode.DEADLINE_EXCEEDED)

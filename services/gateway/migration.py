@@ -160,6 +160,8 @@ class Migrator:
             return chunk
         if chunk.request_id != flow.leg_id or chunk.seq < flow.expected_seq:
             return None
+        if flow.replica is not None and chunk.replica_id is not None and chunk.replica_id != flow.replica:
+            return None  # a late run of this leg on a replica its scheduler withdrew it from
         if chunk.seq > flow.expected_seq:
             self._spawn_migrate(flow, "lost_chunk", f"stream message {flow.expected_seq} from replica "
                                                    f"{chunk.replica_id} was lost")
@@ -192,6 +194,9 @@ class Migrator:
             log.warning("malformed acceptance notice", error=str(exc))
             return
         if flow is None or ack.request_id != flow.leg_id or not ack.accepted:
+            return
+        if flow.replica is not None and flow.replica != ack.replica_id:  # the withdrawn run, taken late
+            log.info("late acceptance ignored", request_id=request_id, replica_id=ack.replica_id, serving=flow.replica)
             return
         now = time.monotonic()
         flow.replica, flow.last_progress = ack.replica_id, now
