@@ -211,6 +211,10 @@ class LocalInfra:
             lines.append(render_config(self.users))
         return "\n".join(lines) + "\n"
 
+    def nats_monitor_url(self, port: int) -> str:
+        """A NATS server's monitoring endpoint (/varz, /connz, /healthz)."""
+        return f"http://127.0.0.1:{self._nats_ports[port][2]}"
+
     def nats_auth(self, role: str):
         """The credentials of a role (or of a named client) on this infrastructure."""
         from shared.bus import NatsAuth
