@@ -145,6 +145,7 @@ class GatewayService:
         self._report_started = time.monotonic()
         self.migration = Migrator(self)
         self.inflight = InflightLimit(cfg.max_inflight)
+        self._refused_unlogged, self._refusals_logged_at = 0, 0.0
         self.http_guard = ConnectionGuard(cfg.http, lambda reason: self.metrics.http_refusals.labels(reason).inc())
         self.metrics.connections.set_function(lambda: self.http_guard.open)
         self._listener: asyncio.AbstractServer | None = None
@@ -197,8 +198,9 @@ class GatewayService:
         await self.redis.aclose()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.http_guard.middleware, tracing.trace_requests,
-                                           self._errors_middleware], client_max_size=4 * 1024 * 1024)
+        app = web.Application(middlewares=[self.http_guard.middleware, self._admission_middleware,
+                                           tracing.trace_requests, self._errors_middleware],
+                              client_max_size=4 * 1024 * 1024)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
@@ -372,18 +374,36 @@ class GatewayService:
         return await self._generation(request, self._chat_prompt)
 
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
-        """A generation request, within this gateway's in-flight limit: past it, refused before
-        its body is read (the cheapest answer under overload)."""
+        key = await self._authenticate(request)
+        parsed, model, ids = await prompt_of(request)
+        return await self._serve(request, key, parsed, model, ids)
+
+    @web.middleware
+    async def _admission_middleware(self, request: web.Request, handler):
+        """Generation requests within this gateway's in-flight limit. Past it, one is refused
+        before anything else is done for it: no body read, no span, no log line of its own (a
+        summary each second): under overload the cheapest answer is the one that does least."""
+        if request.method != "POST" or request.path not in tracing.GENERATION_PATHS:
+            return await handler(request)
         if not self.inflight.try_acquire():
             self.metrics.refused.labels("inflight").inc()
-            raise ApiError(503, f"this gateway is serving {self.inflight.limit} requests, its most; try again later",
-                           "overloaded_error", None, "overloaded", retry_after=self.inflight.retry_after())
+            self.metrics.requests.labels(request.path, "503").inc()
+            self._note_refusal()
+            return error_response(ApiError(
+                503, f"this gateway is serving {self.inflight.limit} requests, its most; try again later",
+                "overloaded_error", None, "overloaded", retry_after=self.inflight.retry_after()))
         try:
-            key = await self._authenticate(request)
-            parsed, model, ids = await prompt_of(request)
-            return await self._serve(request, key, parsed, model, ids)
+            return await handler(request)
         finally:
             self.inflight.release(time.monotonic())
+
+    def _note_refusal(self) -> None:
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= 1.0:
+            log.warning("requests refused: in-flight limit", refused=self._refused_unlogged,
+                        inflight=self.inflight.inflight, limit=self.inflight.limit)
+            self._refused_unlogged, self._refusals_logged_at = 0, now
 
     async def _completion_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int]]:
         parsed = oa.parse_completion(await self._read_json(request))
