@@ -21,7 +21,7 @@ from opentelemetry import propagate
 
 from shared import protocol
 from shared.logging import get_logger
-from shared.protocol import ErrorCode, ErrorInfo, ErrorReply, Message, ProtocolError
+from shared.protocol import ErrorCode, ErrorInfo, ErrorReply, InvalidRequest, Message, ProtocolError, TokenChunk
 
 log = get_logger()
 M = TypeVar("M", bound=Message)
@@ -144,7 +144,12 @@ class Bus:
                     message = protocol.decode(message_type, raw.data)
                 except ProtocolError as exc:
                     log.warning("malformed message", subject=raw.subject, error=str(exc))
-                    await self.reply_error(raw, ErrorCode.BAD_REQUEST, str(exc))
+                    if raw.reply:
+                        await self.reply_error(raw, ErrorCode.BAD_REQUEST, str(exc))
+                    elif isinstance(exc, InvalidRequest):  # well-formed: its stream subject is the caller's
+                        await self.publish(exc.reply_to, TokenChunk(
+                            request_id=exc.request_id, seq=0, finish_reason="error",
+                            error=ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))))
                     return
                 await handler(message, raw)
             except Exception as exc:  # a handler bug must not kill the subscription

@@ -117,6 +117,15 @@ class ProtocolError(ValueError):
     """A payload that is not a valid message of the expected type and version."""
 
 
+class InvalidRequest(ProtocolError):
+    """A well-formed GenerateRequest with a value out of range: its caller can be told on its
+    reply_to (which is valid), even when the message has no NATS reply subject."""
+
+    def __init__(self, message: str, request_id: str, reply_to: str):
+        super().__init__(message)
+        self.request_id, self.reply_to = request_id, reply_to
+
+
 class ErrorCode:
     BAD_REQUEST = "bad_request"  # the request itself is invalid; retrying will not help
     NOT_FOUND = "not_found"  # unknown model / deployment
@@ -369,17 +378,23 @@ class GenerateRequest(Message):
             value = getattr(s, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
+        problem = self._out_of_range()
+        if problem:
+            raise InvalidRequest(f"GenerateRequest: {problem}", self.request_id, self.reply_to)
+
+    def _out_of_range(self) -> str | None:
+        s = self.sampling
         if self.priority is not None and self.priority not in PRIORITIES:
-            raise ProtocolError(f"GenerateRequest: priority {self.priority!r} is not one of {', '.join(PRIORITIES)}")
+            return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
         if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
-            raise ProtocolError(f"GenerateRequest: sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], "
-                                f"got {s.max_tokens}")
+            return f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
         if s.top_k != -1 and s.top_k < 1:
-            raise ProtocolError(f"GenerateRequest: sampling.top_k must be -1 (off) or >= 1, got {s.top_k}")
+            return f"sampling.top_k must be -1 (off) or >= 1, got {s.top_k}"
         if s.seed is not None and s.seed < 0:
-            raise ProtocolError(f"GenerateRequest: sampling.seed must be >= 0, got {s.seed}")
+            return f"sampling.seed must be >= 0, got {s.seed}"
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-            raise ProtocolError(f"GenerateRequest: sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+            return f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}"
+        return None
 
 
 @dataclass
