@@ -670,7 +670,7 @@ class GatewayService:
 
 def parse_json(raw: bytes):
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode())  # UTF-8 only (json.loads of bytes would accept UTF-16 and a BOM)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise oa.bad("the request body is not valid JSON") from None
     if not _encodable(body):  # "\ud800" is valid JSON but no UTF-8 text: the tokenizer and msgpack refuse it

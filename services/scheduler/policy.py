@@ -32,8 +32,7 @@ class ReplicaState:
     accepted_reported: int = 0  # the accepted_total of its last report
     last_seen: float = 0.0
     revision: int = 0  # deployment revision it serves (0: unmanaged)
-    ttft_s: float | None = None  # recent time to first token (p90) and inter-token latency (p50) there
-    itl_s: float | None = None
+    ttft_s: float | None = None  # recent time to first token there (p90)
 
     @property
     def load(self) -> int:

@@ -23,7 +23,7 @@ class ReplicaView:
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
         r.reported(hb.accepted_total)
-        r.ttft_s, r.itl_s = hb.ttft_p90_s, hb.itl_p50_s
+        r.ttft_s = hb.ttft_p90_s
         r.last_seen = now
         per_model[hb.replica_id] = r
 
@@ -54,14 +54,11 @@ class ReplicaView:
                 if r.state == "ready" and now - r.last_seen <= self.stale_after
                 and self._avoid_until.get(r.replica_id, 0.0) <= now]
 
-    def service_time(self, model: str, max_tokens: int) -> float:
-        """About how long serving a request takes once routed, from what the model's replicas
-        report: time to first token, then max_tokens at the inter-token latency (0: unknown)."""
-        reps = self.replicas.get(model, {}).values()
-        ttfts = sorted(r.ttft_s for r in reps if r.ttft_s is not None)
-        itls = sorted(r.itl_s for r in reps if r.itl_s is not None)
-        ttft = ttfts[len(ttfts) // 2] if ttfts else 0.0
-        return ttft + max_tokens * (itls[len(itls) // 2] if itls else 0.0)
+    def time_to_first_token(self, model: str) -> float:
+        """How long a request routed now takes to its first token, from what the model's replicas
+        report (their recent p90, the median of them; 0 while unknown)."""
+        ttfts = sorted(r.ttft_s for r in self.replicas.get(model, {}).values() if r.ttft_s is not None)
+        return ttfts[len(ttfts) // 2] if ttfts else 0.0
 
     def models(self) -> list[str]:
         return [m for m, reps in self.replicas.items() if reps]

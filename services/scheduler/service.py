@@ -304,11 +304,12 @@ class SchedulerService:
         return bool(self.view.replicas.get(model)) or model in self.deployments.deployments
 
     def start_by(self, req: GenerateRequest, now: float) -> float:
-        """When the request must have started to be served by its deadline (its generation takes
-        about what the model's replicas report), and at the latest after the queue's wait budget."""
+        """When the request must have left the queue for its first token to come before its
+        deadline (as long as the model's replicas take to one now), and at the latest after the
+        queue's wait budget. (max_tokens says only how long it may run, not how long it will.)"""
         start_by = now + self.cfg.max_queue_wait
         if req.deadline is not None:
-            start_by = min(start_by, req.deadline - self.view.service_time(req.model, req.sampling.max_tokens))
+            start_by = min(start_by, req.deadline - self.view.time_to_first_token(req.model))
         return start_by
 
     async def enqueue(self, req: GenerateRequest) -> None:

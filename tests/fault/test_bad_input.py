@@ -281,7 +281,7 @@ async def test_garbage_on_a_live_requests_reply_and_routing_subjects_does_not_di
 
     async def spy(msg):
         seen.add(msg.subject)
-    await bus.nc.subscribe("_INBOX.strata.gw.>", cb=spy)
+    await bus.nc.subscribe("_INBOX.gateway.gw.>", cb=spy)
     try:
         async with aiohttp.ClientSession() as http:
             request = asyncio.create_task(stream_completion(
