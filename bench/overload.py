@@ -11,8 +11,11 @@ request carries a deadline (`Strata-Timeout`). Per overload phase:
 - answered within its deadline: a response (success, or a refusal: 429/503 with Retry-After)
   that reached the client by its deadline (plus 0.5 s for the HTTP path); the rest count as late
   or lost. Must be every request.
-- goodput: successful completions per second that arrived within their deadline, against the
-  capacity measured at 1x beside it. Must be at least 80%.
+- goodput: successful completions per second that arrived within their deadline, counted by
+  when they completed, in the phase's steady part (after its first `--settle` seconds, as the
+  queues fill), against the capacity measured the same way at 1x beside it. Must be at least 80%.
+  (Counted by when they were sent, a phase would also be credited with the requests it admitted
+  into empty queues at its start.)
 - false "replica dead" verdicts: replicas the gateway presumed dead or stalled, streams it moved
   (migrations) and requests it failed for a silent scheduler. No replica dies here, so every one
   would be false. Must be 0.
@@ -56,6 +59,10 @@ class Result:
     tokens: int = 0
     retry_after: str | None = None
 
+    @property
+    def done(self) -> float:
+        return self.sent + self.latency
+
 
 @dataclass
 class Phase:
@@ -64,8 +71,20 @@ class Phase:
     seconds: float
     results: list[Result] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process during the phase
+    elapsed: float = 0.0  # wall seconds the phase took, its last answers included
 
-    def summary(self, deadline: float, capacity: float | None) -> dict:
+    @property
+    def engine_cores(self) -> float:
+        """CPU cores the engines got, on average, during the phase."""
+        return sum(v for k, v in self.cpu.items() if k.startswith("engine")) / max(self.elapsed, 1e-9)
+
+    def goodput(self, deadline: float, settle: float) -> float:
+        """Successes on time per second, by completion, after the phase settled."""
+        good = [r for r in self.results if r.status == 200 and r.latency <= deadline + GRACE_S
+                and settle <= r.done < self.seconds]
+        return len(good) / (self.seconds - settle)
+
+    def summary(self, deadline: float, capacity: float | None, settle: float) -> dict:
         rs = self.results
         on_time = [r for r in rs if r.status > 0 and r.latency <= deadline + GRACE_S]
         good = [r for r in on_time if r.status == 200]
@@ -76,7 +95,7 @@ class Phase:
             "requests": len(rs), "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "answered_within_deadline": len(on_time), "answered_within_deadline_pct": round(
                 100 * len(on_time) / max(len(rs), 1), 2),
-            "goodput_rps": round(len(good) / self.seconds, 2),
+            "goodput_rps": round(self.goodput(deadline, settle), 2),
             "refusals_with_retry_after_pct": round(100 * sum(r.retry_after is not None for r in refused)
                                                    / max(len(refused), 1), 2),
             "latency_s": {"p50_ok": round(percentile([r.latency for r in good], 0.5), 3),
@@ -86,8 +105,9 @@ class Phase:
                           "max": round(max((r.latency for r in rs), default=0.0), 3)},
         }
         if capacity:
-            out["goodput_vs_capacity"] = round(len(good) / self.seconds / capacity, 3)
-        out["cpu_cores"] = {k: round(v / self.seconds, 2) for k, v in sorted(self.cpu.items(), key=lambda kv: -kv[1])}
+            out["goodput_vs_capacity"] = round(self.goodput(deadline, settle) / capacity, 3)
+        out["cpu_cores"] = {k: round(v / max(self.elapsed, 1e-9), 2)
+                            for k, v in sorted(self.cpu.items(), key=lambda kv: -kv[1])}
         return out
 
 
@@ -200,12 +220,11 @@ def plot(phases: list[Phase], capacity: float, deadline: float, path: Path) -> N
             continue
         buckets = int(math.ceil(phase.seconds))
         good, refused = [0] * buckets, [0] * buckets
-        for r in phase.results:
-            b = min(int(r.sent), buckets - 1)
-            if r.status == 200 and r.latency <= deadline + GRACE_S:
-                good[b] += 1
+        for r in phase.results:  # successes by when they completed, refusals by when they were asked
+            if r.status == 200 and r.latency <= deadline + GRACE_S and r.done < buckets:
+                good[int(r.done)] += 1
             elif r.status in (429, 503):
-                refused[b] += 1
+                refused[min(int(r.sent), buckets - 1)] += 1
         ax1.plot(range(buckets), good, label=f"{phase.name}: goodput")
         ax1.plot(range(buckets), refused, linestyle=":", label=f"{phase.name}: refused (503/429)")
         ok = sorted(r.latency for r in phase.results if r.status == 200)
@@ -237,7 +256,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=10.0, help="every request's Strata-Timeout, seconds")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--client-nice", type=int, default=10, help="the load generator's niceness (the stack's is 0)")
+    p.add_argument("--settle", type=float, default=10.0,
+                   help="seconds at the start of each phase not counted in its goodput (queues filling)")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[], help="extra scheduler flag (repeatable)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "overload.json"))
@@ -250,9 +270,7 @@ def main() -> int:
     stack.start(timeout=180)
     try:
         stack.wait_serving(60)
-        # The clients stand for traffic from other machines: on this one they must not take the
-        # CPU the stack under test needs (its processes, started above, keep their priority).
-        os.nice(args.client_nice)
+        settle = min(args.settle, args.capacity_s / 2, args.seconds / 2)
         gen = LoadGenerator(stack, args.deadline, args.max_tokens, args.seed)
 
         async def run() -> tuple[float, list[Phase], dict]:
@@ -262,8 +280,9 @@ def main() -> int:
                 await gen.closed_loop(http, warm, args.capacity_clients)
 
                 async def measure(phase: Phase, run_phase) -> Phase:
-                    cpu = cpu_seconds(stack)
+                    cpu, started = cpu_seconds(stack), time.monotonic()
                     await run_phase
+                    phase.elapsed = time.monotonic() - started
                     phase.cpu = {k: v - cpu.get(k, 0.0) for k, v in cpu_seconds(stack).items()}
                     return phase
 
@@ -272,7 +291,7 @@ def main() -> int:
 
                 base = capacity_phase(0)
                 await measure(base, gen.closed_loop(http, base, args.capacity_clients))
-                capacity = sum(r.status == 200 for r in base.results) / base.seconds
+                capacity = base.goodput(args.deadline, settle)
                 print(f"capacity (1x): {capacity:.1f} completions/s with {args.capacity_clients} clients", flush=True)
                 before = await asyncio.to_thread(gateway_counters, stack)
                 phases = [base]
@@ -282,8 +301,8 @@ def main() -> int:
                     again = capacity_phase(len(phases) // 2 + 1)
                     await measure(again, gen.closed_loop(http, again, args.capacity_clients))
                     phases += [phase, again]
-                    print(f"{phase.name}: {phase.summary(args.deadline, capacity)}; then {again.name}: "
-                          f"{sum(r.status == 200 for r in again.results) / again.seconds:.1f}/s", flush=True)
+                    print(f"{phase.name}: {phase.summary(args.deadline, capacity, settle)}; then {again.name}: "
+                          f"{again.goodput(args.deadline, settle):.1f}/s", flush=True)
                 after = await asyncio.to_thread(gateway_counters, stack)
             return capacity, phases, {k: after[k] - before[k] for k in after}
 
@@ -295,12 +314,16 @@ def main() -> int:
     summaries = []
     for i, phase in enumerate(phases):
         if phase.rate:  # an open-loop phase: against the capacities measured just before and after it
-            beside = [phases[j].summary(args.deadline, None)["goodput_rps"] for j in (i - 1, i + 1)]
-            summary = phase.summary(args.deadline, sum(beside) / 2)
+            beside = [round(phases[j].goodput(args.deadline, settle), 2) for j in (i - 1, i + 1)]
+            summary = phase.summary(args.deadline, sum(beside) / 2, settle)
             summary["capacity_beside_rps"] = beside
             summary["goodput_vs_first_capacity"] = round(summary["goodput_rps"] / capacity, 3)
+            # The same per CPU core its engines got (the machine's other work takes what it takes).
+            per_core = [phases[j].goodput(args.deadline, settle) / phases[j].engine_cores for j in (i - 1, i + 1)]
+            summary["goodput_per_engine_core_vs_capacity"] = round(
+                summary["goodput_rps"] / phase.engine_cores / (sum(per_core) / 2), 3)
         else:
-            summary = phase.summary(args.deadline, None)
+            summary = phase.summary(args.deadline, None, settle)
         summaries.append(summary)
     overload = [s for s in summaries if s.get("capacity_beside_rps") and s["offered_rps"] > 1.5 * capacity]
     false_verdicts = counters["replica_dead_verdicts"] + counters["scheduler_dead_verdicts"] + counters["migrations"]
@@ -316,7 +339,8 @@ def main() -> int:
         print(f"{s['name']:>4}: offered {s['offered_rps']:.0f}/s, goodput {s['goodput_rps']:.1f}/s = "
               f"{100 * s['goodput_vs_capacity']:.0f}% of the capacity beside it "
               f"({' and '.join(f'{c:.1f}' for c in s['capacity_beside_rps'])}/s; "
-              f"{100 * s['goodput_vs_first_capacity']:.0f}% of the first); answered within deadline "
+              f"{100 * s['goodput_vs_first_capacity']:.0f}% of the first; per engine core "
+              f"{100 * s['goodput_per_engine_core_vs_capacity']:.0f}%); answered within deadline "
               f"{s['answered_within_deadline']}/{s['requests']} ({s['answered_within_deadline_pct']}%); statuses "
               f"{s['statuses']}; refusals p99 {1e3 * s['latency_s']['p99_refused']:.0f} ms, served p99 "
               f"{s['latency_s']['p99_ok']:.2f}s")
