@@ -354,6 +354,9 @@ class GenerateRequest(Message):
     # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
     timestamps: dict[str, float] = field(default_factory=dict)
     resume: Resume | None = None  # set on the continuation of a stream that lost its replica
+    # Set by whoever forwards it to an engine and waits for its GenerateAck: an engine that gets
+    # it after this (unix seconds) refuses it, as its sender has given up and tries another.
+    accept_by: float | None = None
 
     def validate(self) -> None:
         if not self.request_id:

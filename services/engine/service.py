@@ -92,7 +92,7 @@ class EngineWorker:
         self._tokens_per_s = 0.0
         self.exit_code = 0
         self._drain_aborted: set[str] = set()
-        self._withdrawn: set[str] = set()  # cancelled by name for this replica: its scheduler answers the caller
+        self._withdrawn_ids: set[str] = set()  # cancelled by name for this replica: another serves the caller
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
         self._accepted_total = 0
         self._latency: tuple[float | None, float | None] = (None, None)  # recent TTFT p90, ITL p50
@@ -193,6 +193,9 @@ class EngineWorker:
             return
         if req.deadline is not None and req.deadline <= time.time():
             await self._refuse(req, raw, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the request arrived")
+            return
+        if req.accept_by is not None and req.accept_by < time.time():  # its sender already tries another replica
+            await self._refuse(req, raw, ErrorCode.UNAVAILABLE, "the request arrived after its sender stopped waiting")
             return
         early = self._early_cancels.pop(req.request_id, None)
         if early is not None and early[1] == req.tenant:
@@ -316,8 +319,21 @@ class EngineWorker:
             return
         log.info("cancel", request_id=msg.request_id, withdrawn=msg.replica_id is not None)
         if msg.replica_id is not None:  # taken after its scheduler gave up on it: the caller is served elsewhere
-            self._withdrawn.add(msg.request_id)
+            self._withdrawn_ids.add(msg.request_id)
         self.engine.abort(msg.request_id)
+
+    def _withdrawn(self, req: GenerateRequest, seq_no: int) -> None:
+        """This replica's run of a request is off (its scheduler gave up waiting for it and gave it
+        to another): the caller is told on `<reply_to>.accepted`, so it follows the other run; a run
+        that had already streamed also ends in band as `unavailable`, and the caller continues it
+        from what it got. Not an error of this replica's: counted as an abort."""
+        self.metrics.finished("abort")
+        self._emit(protocol.accepted(req.reply_to), GenerateAck(
+            req.request_id, self.cfg.replica_id, False, ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn")))
+        if seq_no:
+            self._emit(req.reply_to, TokenChunk(
+                request_id=req.request_id, seq=seq_no, finish_reason="error", replica_id=self.cfg.replica_id,
+                error=ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn by its scheduler: continue elsewhere")))
 
     async def _publish_kv_events(self) -> None:
         """In order, one batch per engine step that changed the cache; the first batch of this
@@ -448,11 +464,11 @@ class ChunkSink:
 
     def deliver(self, out: RequestOutput) -> None:
         w, req = self.worker, self.req
-        if req.request_id in w._withdrawn:  # another replica streams it: send the caller nothing
+        if req.request_id in w._withdrawn_ids:  # another replica streams it: the caller follows that one
             if out.finished:
-                w._withdrawn.discard(req.request_id)
+                w._withdrawn_ids.discard(req.request_id)
                 self._observe(out, ErrorCode.CANCELLED)
-                self._end(lambda: w.metrics.finished("abort"))
+                self._end(lambda: w._withdrawn(req, self.seq_no))
             return
         try:
             if out.finished and self.expired:

@@ -185,22 +185,29 @@ class Migrator:
             replica = self.replicas[hb.replica_id] = ReplicaLiveness(now, hb.steps_total, now)
         replica.beat(hb, now)
 
-    def on_accepted(self, request_id: str, data: bytes) -> None:
-        """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to watch."""
+    def on_accepted(self, request_id: str, data: bytes) -> GenerateAck | None:
+        """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to
+        watch, and the only one whose chunks count. A notice that it is withdrawn (its scheduler
+        gave the leg to another replica) frees the leg for that other one."""
         flow = self.flows.get(request_id)
         try:
             ack = protocol.decode(GenerateAck, data)
         except protocol.ProtocolError as exc:
             log.warning("malformed acceptance notice", error=str(exc))
-            return
-        if flow is None or ack.request_id != flow.leg_id or not ack.accepted:
-            return
-        if flow.replica is not None and flow.replica != ack.replica_id:  # the withdrawn run, taken late
+            return None
+        if flow is None or ack.request_id != flow.leg_id:
+            return ack
+        if not ack.accepted:
+            if flow.replica == ack.replica_id:
+                flow.replica = None
+            return ack
+        if flow.replica is not None and flow.replica != ack.replica_id:  # a withdrawn run, taken late
             log.info("late acceptance ignored", request_id=request_id, replica_id=ack.replica_id, serving=flow.replica)
-            return
+            return ack
         now = time.monotonic()
         flow.replica, flow.last_progress = ack.replica_id, now
         self.replicas.setdefault(ack.replica_id, ReplicaLiveness(now, 0, now))
+        return ack
 
     async def _watch_replicas(self) -> None:
         last = time.monotonic()

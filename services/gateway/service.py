@@ -251,9 +251,10 @@ class GatewayService:
         """An engine took the request: its scheduler's fate no longer matters to it."""
         rid = msg.subject.rsplit(".", 2)[1]
         if rid in self._streams:
-            self._at_engine.add(rid)
-            self._held_by.pop(rid, None)
-            self.migration.on_accepted(rid, msg.data)
+            ack = self.migration.on_accepted(rid, msg.data)
+            if ack is not None and ack.accepted:
+                self._at_engine.add(rid)
+                self._held_by.pop(rid, None)
 
     def _spawn_cancel(self, rid: str) -> None:
         task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=self.migration.leg_id(rid),

@@ -463,6 +463,7 @@ class SchedulerService:
         """The replica's answer, or None and whether it may have taken the request anyway (no
         answer in time) or cannot have (nobody listens on its subject: a replica that is gone, or
         one a forged heartbeat made up)."""
+        req.accept_by = time.time() + self.cfg.ack_timeout  # a replica that gets it later must not take it
         try:
             with self.spans.active(req.request_id):  # the engine's spans join this request's trace here
                 reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
