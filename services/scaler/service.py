@@ -5,7 +5,8 @@ Signals come from the bus: engine heartbeats (state, running, waiting, KV usage,
 and the schedulers' queue stats. Bounds, SLOs and the canary split come from the deployment
 (control), picked up live. The desired count is split across the revisions being served by the
 canary weight (a canary with any weight gets at least one replica); revisions no longer served
-are scaled to zero, which drains them.
+are scaled to zero, which drains them. A deployment the store lost (not deleted: no tombstone)
+is held as it was: an emptied store drains nothing.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class ScalerService:
                              registry=r)
         self.m_changes = Counter("strata:scaler_scale_events", "Changes of the desired count.",
                                  ["deployment", "direction"], registry=r)
+        self.m_lost = Gauge("strata:scaler_deployments_missing_from_store",
+                            "Deployments the store lost (not deleted): the scaler holds them as they were.", registry=r)
         self._task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.http_url = ""
@@ -93,6 +96,7 @@ class ScalerService:
         self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"scaler-{self.cfg.scaler_id}")
         self.deployments = DeploymentWatcher(self.redis)
+        self.m_lost.set_function(lambda: len(self.deployments.lost))
         await self.deployments.start(self.bus)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
