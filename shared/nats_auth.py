@@ -7,7 +7,7 @@ shared.bus.NatsAuth), so:
 - only engines publish heartbeats and KV events (a forged heartbeat cannot attract traffic);
 - only gateways, schedulers and bus clients publish generate requests and cancels; only
   schedulers send work to engines;
-- only control publishes deployment changes;
+- only control publishes deployment changes and key revocations;
 - nobody but schedulers reads generate requests, nobody but engines the work sent to them, and
   a role's replies and streams only that role: a prompt or a stream cannot be read by another
   process, and the request ids a cancel needs (random, 128 bits) are never seen by other tenants.
@@ -57,14 +57,15 @@ ROLES: dict[str, Role] = {r.name: r for r in (
                     protocol.CONTROL_DEPLOYMENTS)),
     Role("gateway",
          publish=(protocol.GENERATE, protocol.CANCEL, protocol.GATEWAY_STATS_ALL, _logs("gateway"), *_LOG_STREAM_API),
-         subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.CONTROL_DEPLOYMENTS)),
+         subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.CONTROL_DEPLOYMENTS,
+                    protocol.CONTROL_KEYS)),
     Role("scaler",
          publish=(protocol.SCALER_STATUS, _logs("scaler"), *_LOG_STREAM_API),
          subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.CONTROL_DEPLOYMENTS)),
     Role("control",
-         publish=(protocol.CONTROL_DEPLOYMENTS, _logs("control"), *_LOG_STREAM_API),
+         publish=(protocol.CONTROL_DEPLOYMENTS, protocol.CONTROL_KEYS, _logs("control"), *_LOG_STREAM_API),
          subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.SCALER_STATUS,
-                    protocol.GATEWAY_STATS_ALL, protocol.CONTROL_DEPLOYMENTS)),
+                    protocol.GATEWAY_STATS_ALL, protocol.CONTROL_DEPLOYMENTS, protocol.CONTROL_KEYS)),
     Role("client", publish=(protocol.GENERATE, protocol.CANCEL), subscribe=()),
     Role("admin", publish=(">",), subscribe=(">",)),
 )}

@@ -37,6 +37,7 @@ SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
 LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept a while by JetStream
 LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
+CONTROL_KEYS = f"{PREFIX}.control.keys"  # control -> gateways: an API key was revoked (drop it from caches)
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 
@@ -309,13 +310,15 @@ def decode(cls: type[M], data: bytes) -> M:
 
 @dataclass
 class SamplingSpec(Message):
-    """Sampling parameters on the wire; the engine validates their ranges."""
+    """Sampling parameters on the wire; the engine validates their ranges. Absent (None)
+    temperature, top_p, top_k, min_p and repetition_penalty take the served model's
+    generation_config.json defaults, else 1.0, 1.0, -1 (off), 0.0 and 1.0."""
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -323,7 +326,7 @@ class SamplingSpec(Message):
     logprobs: int | None = None  # top-n logprobs per generated token
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -391,7 +394,7 @@ class GenerateRequest(Message):
             return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
         if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
             return f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
-        if s.top_k != -1 and s.top_k < 1:
+        if s.top_k is not None and s.top_k != -1 and s.top_k < 1:
             return f"sampling.top_k must be -1 (off) or >= 1, got {s.top_k}"
         if s.seed is not None and s.seed < 0:
             return f"sampling.seed must be >= 0, got {s.seed}"
@@ -592,6 +595,26 @@ class ScalerDecision(Message):
 
 
 @dataclass
+class LatencySample(Message):
+    """One finished request as its client saw it, by the revision that served it: the input of
+    control's canary analysis (services.control.canary)."""
+
+    revision: int
+    finished_at: float  # unix seconds
+    ttft_s: float  # gateway arrival to the first token
+    itl_s: float  # mean gap between the request's tokens after the first (0 with a single token)
+    output_tokens: int
+
+
+@dataclass
+class RevisionOutcomes(Message):
+    """Exact counts of one revision's requests in a report (samples may be thinned, these never are)."""
+
+    requests: int = 0
+    errors: int = 0  # ended in an error an engine of this revision sent
+
+
+@dataclass
 class GatewayStats(Message):
     """A gateway's requests since its previous report (every couple of seconds), with where
     their time went by layer: control's dashboard and `strata diagnose` read it."""
@@ -603,3 +626,17 @@ class GatewayStats(Message):
     completed: dict[str, int] = field(default_factory=dict)  # model -> requests completed
     failed: dict[str, int] = field(default_factory=dict)  # model -> requests that ended in an error
     layer_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> layer -> sum
+    # Per model, the requests of managed revisions (revision > 0): latency samples (at most
+    # MAX_LATENCY_SAMPLES per model and report, an unbiased subsample beyond) and exact counts.
+    samples: dict[str, list[LatencySample]] = field(default_factory=dict)
+    outcomes: dict[str, dict[int, RevisionOutcomes]] = field(default_factory=dict)
+
+
+MAX_LATENCY_SAMPLES = 2000
+
+
+@dataclass
+class KeyRevoked(Message):
+    """An API key was revoked: every holder of a cached lookup drops it at once."""
+
+    key_hash: str  # the key's SHA-256, hex

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c")]
+_HEADERS = [Path(__file__).with_name("strata_math.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -42,7 +43,7 @@ def _build() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)
     # The parts of -ffast-math that let gcc vectorize the dot products and sums, but not
     # -ffast-math itself: a shared object built with it sets flush-to-zero for the whole process
     # that loads it (crtfastmath), changing everyone's floating point.
@@ -55,16 +56,33 @@ def _build() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 return None
             os.replace(built, target)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(target))
-    fn = lib.strata_paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    for suffix in ("f32", "bf16"):
+        fn = getattr(lib, f"strata_paged_decode_attention_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, [p] * 6 + [i] * 6 + [f, i]
+        fn = getattr(lib, f"strata_rms_norm_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
+        fn = getattr(lib, f"strata_rotary_{suffix}")
+        fn.restype, fn.argtypes = None, [p, p, n, i, p, n, i, p, i, n, i]
+        fn = getattr(lib, f"strata_silu_and_mul_{suffix}")
+        fn.restype, fn.argtypes = None, [p, p, n, i, i]
+        fn = getattr(lib, f"strata_argmax_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
+        fn = getattr(lib, f"strata_topk_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
+        fn = getattr(lib, f"strata_sample_rows_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
     return lib
+
+
+# The dtypes the kernels take, and their names' suffix for each.
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def load() -> ctypes.CDLL | None:
@@ -83,22 +101,143 @@ def load() -> ctypes.CDLL | None:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the paged cache (fp32 CPU tensors); same contract as the Triton kernel."""
+    """Decode attention over the paged cache (fp32 or bf16 CPU tensors, all of one dtype); same
+    contract as the Triton kernel."""
     lib = load()
     if lib is None:
         raise RuntimeError("CPU kernels unavailable (no C compiler)")
     for t in (query, k_cache, v_cache):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 CPU tensors")
+        if t.dtype != query.dtype or t.dtype not in KERNEL_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 or bf16 CPU tensors of one dtype")
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query) if out is None else out
-    rc = lib.strata_paged_decode_attention_f32(
+    rc = getattr(lib, f"strata_paged_decode_attention_{KERNEL_DTYPES[query.dtype]}")(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1] if block_tables.dim() == 2 else 0, float(scale), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention (CPU) failed with code {rc}")
+    return out
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a tensor whose last dimension is contiguous and whose leading
+    dimensions flatten to one strided axis (views into a fused projection qualify)."""
+    if t.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    rows = t.numel() // t.shape[-1] if t.numel() else 0
+    for d in range(t.dim() - 2, 0, -1):  # leading dims must nest like a contiguous tensor
+        if t.stride(d - 1) != t.stride(d) * t.shape[d]:
+            raise ValueError("leading dimensions must flatten to one axis")
+    return rows, (t.stride(-2) if t.dim() > 1 else t.shape[-1])
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the layer-op kernels take these tensors (CPU, one fp32/bf16 dtype, built)."""
+    t0 = tensors[0]
+    return (load() is not None and t0.dtype in KERNEL_DTYPES
+            and all(t.device.type == "cpu" and t.dtype == t0.dtype for t in tensors))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension; with `residual`, residual += x first (in place) and the
+    norm reads the sum. Returns `out` (a new contiguous tensor unless given; may be x)."""
+    lib = load()
+    if x.stride(-1) != 1 or (x.dim() > 2 and not all(x.stride(d - 1) == x.stride(d) * x.shape[d]
+                                                       for d in range(1, x.dim() - 1))):
+        x = x.contiguous()  # e.g. per-head norms of a view into the fused qkv
+    rows, x_stride = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype) if out is None else out
+    out_rows, out_stride = _rows(out)
+    res_stride = 0
+    if residual is not None:
+        res_rows, res_stride = _rows(residual)
+        if res_rows != rows:
+            raise ValueError("residual must match x")
+    if out_rows != rows or not weight.is_contiguous() or weight.numel() != x.shape[-1]:
+        raise ValueError("rms_norm: shapes do not match")
+    getattr(lib, f"strata_rms_norm_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(), res_stride, weight.data_ptr(),
+        out.data_ptr(), out_stride, rows, x.shape[-1], float(eps), torch.get_num_threads())
+    return out
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """NeoX rotary embedding of q [tokens, heads, head_dim] and k (same layout) in place."""
+    lib = load()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError("positions must be contiguous int64")
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+        raise ValueError("the rotary table must be contiguous fp32")
+    head_dim = q.shape[-1]
+    for t in (q, k):
+        if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError("q and k must be [tokens, heads, head_dim] with contiguous heads")
+    getattr(lib, f"strata_rotary_{KERNEL_DTYPES[q.dtype]}")(
+        positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+        cos_sin.data_ptr(), head_dim, q.shape[0], torch.get_num_threads())
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] (SwiGLU over a fused gate/up projection)."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    getattr(load(), f"strata_silu_and_mul_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1] if x.numel() else 0, d, torch.get_num_threads())
+    return out
+
+
+def _logit_rows(x: torch.Tensor) -> int:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("logits must be [rows, vocab] with a contiguous last dimension")
+    return x.stride(0)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of [rows, vocab] fp32/bf16 logits, read in place."""
+    stride = _logit_rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(load(), f"strata_argmax_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def topk_with_ties(x: torch.Tensor, k: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row the k largest values and every value tied with the k-th, sorted descending:
+    (values as fp32 [rows, cap], -inf past the count; indices [rows, cap]; counts [rows], -1
+    where more than `cap` values qualify). k <= vocab."""
+    stride = _logit_rows(x)
+    if not 0 < k <= x.shape[1]:
+        raise ValueError(f"k must be in [1, {x.shape[1]}], got {k}")
+    cap = max(min(cap, x.shape[1]), k)
+    values = torch.empty((x.shape[0], cap), dtype=torch.float32)
+    indices = torch.empty((x.shape[0], cap), dtype=torch.int64)
+    counts = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(load(), f"strata_topk_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, k, cap, values.data_ptr(), indices.data_ptr(),
+        counts.data_ptr(), torch.get_num_threads())
+    return values, indices, counts
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor,
+                floor_value: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws over whole rows of [rows, vocab] logits (fp32/bf16, read in place):
+    probabilities softmax(x / T) over x >= floor_value (a top-k cut, or -inf), min-p applied,
+    top-p by rejection with one uniform per round ([rows, rounds] fp64). -1 for a row whose
+    every round was rejected. Per-row parameters are fp32 [rows]."""
+    stride = _logit_rows(x)
+    rows = x.shape[0]
+    params = [t.to(torch.float32).contiguous().view(-1) for t in (temperature, min_p, top_p, floor_value)]
+    if any(t.numel() != rows for t in params) or uniforms.shape[0] != rows:
+        raise ValueError("one parameter per row")
+    uniforms = uniforms.to(torch.float64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"strata_sample_rows_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), rows, x.shape[1], stride, *(t.data_ptr() for t in params), uniforms.data_ptr(),
+        uniforms.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

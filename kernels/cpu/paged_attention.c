@@ -1,72 +1,245 @@
-/* Paged decode attention for the CPU path.
+/* Paged decode attention for the CPU path, for fp32 and bf16 caches.
  *
  * The torch path gathers every sequence's blocks into a contiguous copy before attending, which
  * moves the KV bytes three times. This kernel reads each cached K and V row once, straight
- * through the block table. One task per sequence: a token's K (then V) row holds all KV heads
- * side by side, so the task streams through contiguous memory and serves every query head of
- * every group from it (GQA). Exact softmax in two passes over the scores.
+ * through the block table. A token's K (then V) row holds all KV heads side by side, so a task
+ * streams through contiguous memory and serves every query head of every group from it (GQA).
  *
- * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], fp32, contiguous.
+ * Tasks are (sequence, span of its context): a long context is split into spans when the batch
+ * is smaller than the thread count, so a batch of one still keeps every thread busy. Each span
+ * yields, per head, its running max, its sum of exponentials and its unnormalized output; the
+ * spans of a sequence are then merged exactly (the flash-decoding combine). All arithmetic in
+ * fp32; bf16 is widened on load (its bits are the top half of an fp32).
+ *
+ * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-int strata_paged_decode_attention_f32(
-    const float *q,               /* [batch, num_heads, head_dim] */
-    const float *k_cache, const float *v_cache,
-    const int32_t *block_tables,  /* [batch, max_blocks] */
-    const int32_t *context_lens,  /* [batch] */
-    float *out,                   /* [batch, num_heads, head_dim] */
-    int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-    float scale, int num_threads)
-{
-    const int group = num_heads / num_kv_heads;
-    if (group * num_kv_heads != num_heads) return -1;
-    const long row = (long)num_kv_heads * head_dim;  /* one token's K (or V) for all heads */
-    const long block_stride = (long)block_size * row;
-    int failed = 0;
+#include "strata_math.h"
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int b = 0; b < batch; b++) {
-        const int ctx = context_lens[b];
-        const int32_t *table = block_tables + (long)b * max_blocks;
-        const float *qb = q + (long)b * num_heads * head_dim;
-        float *ob = out + (long)b * num_heads * head_dim;
-        memset(ob, 0, sizeof(float) * (size_t)num_heads * head_dim);
-        if (ctx <= 0) continue;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)num_heads * ctx);  /* [head][token] */
-        if (!scores) { failed = 1; continue; }
 
-        for (int t = 0; t < ctx; t++) {
-            const float *krow = k_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row;
-            for (int h = 0; h < num_heads; h++) {
-                const float *kh = krow + (long)(h / group) * head_dim;
-                const float *qh = qb + (long)h * head_dim;
-                float s = 0.f;
-                for (int d = 0; d < head_dim; d++) s += qh[d] * kh[d];
-                scores[(long)h * ctx + t] = s * scale;
-            }
-        }
-        for (int h = 0; h < num_heads; h++) {
-            float *sh = scores + (long)h * ctx;
-            float m = -INFINITY, sum = 0.f;
-            for (int t = 0; t < ctx; t++) m = sh[t] > m ? sh[t] : m;
-            for (int t = 0; t < ctx; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
-            const float inv = 1.f / sum;  /* sum >= 1: the max term is exp(0) */
-            for (int t = 0; t < ctx; t++) sh[t] *= inv;
-        }
-        for (int t = 0; t < ctx; t++) {
-            const float *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row;
-            for (int h = 0; h < num_heads; h++) {
-                const float p = scores[(long)h * ctx + t];
-                const float *vh = vrow + (long)(h / group) * head_dim;
-                float *oh = ob + (long)h * head_dim;
-                for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
-            }
-        }
-        free(scores);
+#define LOAD_F32(p, i) ((p)[i])
+#define LOAD_BF16(p, i) bf16_to_f32((p)[i])
+#define IDENTITY(x) (x)
+
+/* Shortest span worth a task of its own. */
+#define MIN_SPAN 128
+
+/* Scores of one query head against 16 consecutive K rows (`row` elements apart), scaled, into
+ * out[0..15]. With AVX-512 the 16 dot products accumulate in 16 registers (bf16 pairs straight
+ * through vdpbf16ps where the CPU has AVX512-BF16) and one transpose-add tree reduces them, where
+ * a dot product at a time would pay a horizontal sum for each. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 reduce16(const __m512 *a) {  /* lane j = sum of a[j]'s 16 lanes */
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit chunk: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per chunk: the chunk sums of a[4i .. 4i+3] */
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    return failed ? -2 : 0;
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
+
+#define HAVE_SCORES16 1
+static void scores16_f32(const float *q, const float *k, long row, int head_dim, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 16) {
+        const __mmask16 m = head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, k + j * row + d), qv, acc[j]);
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
+static void scores16_bf16(const uint16_t *q, const uint16_t *k, long row, int head_dim, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    for (int d = 0; d < head_dim; d += 32) {  /* 32 bf16 pairs per instruction, fp32 sums */
+        const __mmask32 m = head_dim - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (head_dim - d)) - 1);
+        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, k + j * row + d), qv);
+    }
+#else
+    for (int d = 0; d < head_dim; d += 16) {  /* widen: bf16 bits are the top half of an fp32 */
+        const __mmask16 m = head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, q + d)), 16));
+        for (int j = 0; j < 16; j++) {
+            const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, k + j * row + d)), 16));
+            acc[j] = _mm512_fmadd_ps(kv, qv, acc[j]);
+        }
+    }
+#endif
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+#define SCORES16_F32(q, k, row, d, scale, out) scores16_f32(q, k, row, d, scale, out)
+#define SCORES16_BF16(q, k, row, d, scale, out) scores16_bf16(q, k, row, d, scale, out)
+#else
+#define HAVE_SCORES16 0
+#define SCORES16_F32(q, k, row, d, scale, out) ((void)0)
+#define SCORES16_BF16(q, k, row, d, scale, out) ((void)0)
+#endif
+
+/* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]; qn: the same in
+ * the cache's dtype. Writes per head
+ * h: stats[2h] = max score, stats[2h + 1] = sum of exp(score - max), acc[h] = sum of
+ * exp(score - max) * v (unnormalized). scores: scratch of num_heads * (t1 - t0) floats. */
+#define DEFINE_SPAN(NAME, T, LOAD, SCORES16)                                                       \
+static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache,                 \
+                 const int32_t *table, int t0, int t1, int num_heads, int num_kv_heads,            \
+                 int head_dim, int block_size, float scale, float *scores, float *stats, float *acc) \
+{                                                                                                   \
+    const int group = num_heads / num_kv_heads, n = t1 - t0;                                       \
+    const long row = (long)num_kv_heads * head_dim;                                                \
+    const long block_stride = (long)block_size * row;                                              \
+    for (int t = t0; t < t1;) {  /* a run of consecutive rows: the span's part of one block */    \
+        const int offset = t % block_size, run = t1 - t < block_size - offset ? t1 - t : block_size - offset; \
+        const T *krow0 = k_cache + (long)table[t / block_size] * block_stride + (long)offset * row; \
+        if (t + run < t1) {  /* the next block lives elsewhere: start fetching it now */           \
+            const char *next = (const char *)(k_cache + (long)table[(t + run) / block_size] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
+        int j = 0;                                                                                  \
+        if (HAVE_SCORES16)                                                                          \
+            for (; j + 16 <= run; j += 16)                                                          \
+                for (int h = 0; h < num_heads; h++)                                                \
+                    SCORES16(qn + (long)h * head_dim, krow0 + (long)j * row + (long)(h / group) * head_dim, \
+                             row, head_dim, scale, scores + (long)h * n + (t - t0) + j);            \
+        for (; j < run; j++) {                                                                     \
+            const T *krow = krow0 + (long)j * row;                                                 \
+            for (int h = 0; h < num_heads; h++) {                                                  \
+                const T *kh = krow + (long)(h / group) * head_dim;                                 \
+                const float *qh = q + (long)h * head_dim;                                          \
+                float s = 0.f;                                                                     \
+                _Pragma("omp simd reduction(+:s)")                                                 \
+                for (int d = 0; d < head_dim; d++) s += qh[d] * LOAD(kh, d);                       \
+                scores[(long)h * n + (t - t0) + j] = s * scale;                                    \
+            }                                                                                      \
+        }                                                                                          \
+        t += run;                                                                                  \
+    }                                                                                              \
+    for (int h = 0; h < num_heads; h++) {                                                          \
+        float *sh = scores + (long)h * n;                                                          \
+        float m = -INFINITY, sum = 0.f;                                                            \
+        for (int i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;                                     \
+        for (int i = 0; i < n; i++) { sh[i] = strata_expf(sh[i] - m); sum += sh[i]; }                     \
+        stats[2 * h] = m;                                                                          \
+        stats[2 * h + 1] = sum;                                                                    \
+    }                                                                                              \
+    memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);                                  \
+    float vf[head_dim];  /* one KV head's V row, widened once for the whole group */               \
+    for (int t = t0; t < t1; t++) {                                                                \
+        const T *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row; \
+        if ((t % block_size == 0 || t == t0) && (t / block_size + 1) * block_size < t1) {          \
+            const char *next = (const char *)(v_cache + (long)table[t / block_size + 1] * block_stride); \
+            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
+        }                                                                                           \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                                \
+            const T *vh = vrow + (long)kh * head_dim;                                              \
+            _Pragma("omp simd")                                                                    \
+            for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vh, d);                                \
+            for (int h = kh * group; h < (kh + 1) * group; h++) {                                  \
+                const float p = scores[(long)h * n + (t - t0)];                                    \
+                float *ah = acc + (long)h * head_dim;                                              \
+                _Pragma("omp simd")                                                                \
+                for (int d = 0; d < head_dim; d++) ah[d] += p * vf[d];                             \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_SPAN(span_f32, float, LOAD_F32, SCORES16_F32)
+DEFINE_SPAN(span_bf16, uint16_t, LOAD_BF16, SCORES16_BF16)
+
+/* q/out: [batch, num_heads, head_dim] of T; block_tables [batch, max_blocks]; context_lens [batch]. */
+#define DEFINE_KERNEL(NAME, T, SPAN, WIDEN, NARROW)                                                \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,            \
+         const int32_t *context_lens, T *out, int batch, int num_heads, int num_kv_heads,          \
+         int head_dim, int block_size, int max_blocks, float scale, int num_threads)               \
+{                                                                                                   \
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;                             \
+    if (num_threads < 1) num_threads = 1;                                                          \
+    /* Spans per sequence: enough tasks for the threads, none shorter than MIN_SPAN. */            \
+    const int want = batch >= num_threads ? 1 : (2 * num_threads + batch - 1) / batch;             \
+    int *first = (int *)malloc(sizeof(int) * ((size_t)batch + 1));                                 \
+    if (!first) return -2;                                                                          \
+    first[0] = 0;                                                                                   \
+    for (int b = 0; b < batch; b++) {                                                              \
+        int ctx = context_lens[b] > 0 ? context_lens[b] : 0;                                       \
+        int spans = ctx / MIN_SPAN < want ? ctx / MIN_SPAN : want;                                 \
+        first[b + 1] = first[b] + (spans > 1 ? spans : 1);                                         \
+    }                                                                                              \
+    const int tasks = first[batch];                                                                \
+    const long per_head = head_dim + 2;                                                            \
+    float *partial = (float *)malloc(sizeof(float) * (size_t)tasks * num_heads * per_head);        \
+    if (!partial) { free(first); return -2; }                                                      \
+    int failed = 0;                                                                                \
+    _Pragma("omp parallel num_threads(num_threads)")                                               \
+    {                                                                                               \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int task = 0; task < tasks; task++) {                                                 \
+            int b = 0;                                                                              \
+            while (first[b + 1] <= task) b++;                                                      \
+            const int ctx = context_lens[b] > 0 ? context_lens[b] : 0;                             \
+            const int spans = first[b + 1] - first[b], s = task - first[b];                        \
+            const int t0 = (int)((long)ctx * s / spans), t1 = (int)((long)ctx * (s + 1) / spans);  \
+            float *stats = partial + (long)task * num_heads * per_head;                            \
+            float *acc = stats + 2L * num_heads;                                                    \
+            if (t1 <= t0) {                                                                         \
+                for (int h = 0; h < num_heads; h++) { stats[2 * h] = -INFINITY; stats[2 * h + 1] = 0.f; } \
+                memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);                      \
+                continue;                                                                           \
+            }                                                                                       \
+            const long n = (long)num_heads * head_dim;                                             \
+            float *work = (float *)malloc(sizeof(float) * ((size_t)num_heads * (t1 - t0) + n));    \
+            if (!work) { failed = 1; continue; }                                                   \
+            float *qf = work + (size_t)num_heads * (t1 - t0);                                      \
+            const T *qb = q + (long)b * n;                                                         \
+            for (long i = 0; i < n; i++) qf[i] = WIDEN(qb[i]);                                     \
+            SPAN(qf, qb, k_cache, v_cache, block_tables + (long)b * max_blocks, t0, t1, num_heads, \
+                 num_kv_heads, head_dim, block_size, scale, work, stats, acc);                     \
+            free(work);                                                                             \
+        }                                                                                           \
+        /* Merge each sequence's spans: rescale to the largest max, sum, normalize. */            \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int b = 0; b < batch; b++) {                                                          \
+            T *ob = out + (long)b * num_heads * head_dim;                                          \
+            for (int h = 0; h < num_heads; h++) {                                                  \
+                float m = -INFINITY;                                                                \
+                for (int task = first[b]; task < first[b + 1]; task++) {                           \
+                    float mt = partial[(long)task * num_heads * per_head + 2 * h];                 \
+                    m = mt > m ? mt : m;                                                            \
+                }                                                                                   \
+                float o[head_dim], denom = 0.f;                                                     \
+                memset(o, 0, sizeof(float) * (size_t)head_dim);                                    \
+                for (int task = first[b]; task < first[b + 1] && m > -INFINITY; task++) {          \
+                    const float *stats = partial + (long)task * num_heads * per_head;              \
+                    if (stats[2 * h] == -INFINITY) continue;                                        \
+                    const float w = strata_expf(stats[2 * h] - m);                                        \
+                    const float *acc = stats + 2L * num_heads + (long)h * head_dim;                \
+                    denom += w * stats[2 * h + 1];                                                  \
+                    for (int d = 0; d < head_dim; d++) o[d] += w * acc[d];                         \
+                }                                                                                   \
+                const float inv = denom > 0.f ? 1.f / denom : 0.f;  /* no context: zeros */        \
+                for (int d = 0; d < head_dim; d++) ob[(long)h * head_dim + d] = NARROW(o[d] * inv); \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    free(partial);                                                                                  \
+    free(first);                                                                                    \
+    return failed ? -2 : 0;                                                                         \
+}
+
+DEFINE_KERNEL(strata_paged_decode_attention_f32, float, span_f32, IDENTITY, IDENTITY)
+DEFINE_KERNEL(strata_paged_decode_attention_bf16, uint16_t, span_bf16, bf16_to_f32, f32_to_bf16)

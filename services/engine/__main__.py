@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
 
+from services.engine.config import EngineArgs
 from services.engine.service import EngineWorker, WorkerConfig
 from shared import protocol
 from shared import aio, telemetry
@@ -24,32 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=5.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    e = p.add_argument_group("engine")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--attention-backend", default="auto")
-    e.add_argument("--threads", type=int, default=0, help="torch threads for the model (0: torch's default)")
-    e.add_argument("--debug-step-delay", type=float, default=0.0, help="test only: slow every step down")
+    EngineArgs.add_cli_args(p)
     Settings.add_arguments(p)
     return p
 
 
 def engine_flags(engine: dict) -> list[str]:
-    """The flags that give this worker a deployment spec's engine arguments (see
-    services.control.spec.ENGINE_ARGS for the names)."""
-    flags = []
-    for name, value in engine.items():
-        if name == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
-        else:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
+    """The flags that give this worker a deployment spec's engine arguments."""
+    return EngineArgs.cli_flags(engine)
 
 
 def main(argv=None) -> int:
@@ -63,11 +47,7 @@ def main(argv=None) -> int:
         print("--nats-url and --redis-url (or STRATA_NATS_URL / STRATA_REDIS_URL) are required; "
               "`strata up` starts a local stack", file=sys.stderr)
         return 2
-    engine_args = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-                       attention_backend=args.attention_backend, debug_step_delay_s=args.debug_step_delay,
-                       num_threads=args.threads)
+    engine_args = dataclasses.asdict(EngineArgs.from_cli_args(args))
     cfg = WorkerConfig(model_dir=settings.model, replica_id=args.replica_id,
                        deployment=args.deployment or protocol.served_model_name(settings.model), revision=args.revision,
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,

@@ -145,7 +145,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine stopped: {self.error}")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids = self.engine.inputs.process(prompt, params)
+        text, ids, params = self.engine.inputs.process(prompt, params)
         stream = sink if sink is not None else RequestStream(request_id)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic(), resumed))

@@ -41,8 +41,8 @@ class AttentionMetadata:
 class TorchAttention:
     """Portable attention in plain torch (the CPU path): gather the blocks, then SDPA.
 
-    On CPU with fp32, decode uses the C kernel in kernels.cpu instead, which reads the cache
-    through the block table without the gather copy.
+    On CPU with fp32 or bf16, decode uses the C kernel in kernels.cpu instead, which reads the
+    cache through the block table without the gather copy.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -67,7 +67,7 @@ class TorchAttention:
         return cache.view(cache.shape[0], -1).index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if self.cpu_kernels and q.device.type == "cpu" and q.dtype == torch.float32:
+        if self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES:
             return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, self.scale)
         b, block_size = q.shape[0], k_cache.shape[1]

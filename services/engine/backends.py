@@ -9,18 +9,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
 from services.engine.attention import TorchAttention
 from kernels.reference import rotary_embedding_ref
 
 
 class TorchOps:
+    """Plain torch, except that on CPU (fp32, bf16) the element-wise ops run as the one-pass C
+    kernels of kernels.cpu, which compute the same thing (tests/engine/test_cpu_layer_ops.py)."""
+
     name = "torch"
     attention_cls = TorchAttention
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
-        """RMSNorm as Hugging Face computes it; with residual, adds it first and returns both."""
+        """RMSNorm as Hugging Face computes it; with residual, adds it first and returns both
+        (the C path updates `residual` in place)."""
+        if cpu_kernels.supports(x, weight) and (residual is None or cpu_kernels.supports(x, residual)):
+            normed = cpu_kernels.rms_norm(x, weight, eps, residual)
+            return normed if residual is None else (normed, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -33,10 +41,18 @@ class TorchOps:
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    rotary = staticmethod(rotary_embedding_ref)
+    @staticmethod
+    def rotary(positions, q, k, cos_sin_cache, head_dim):
+        """NeoX rotary embedding; returns (q, k) (the C path rotates them in place)."""
+        if cpu_kernels.supports(q, k) and q.dim() == 3 and q.stride(1) == head_dim == k.stride(1):
+            cpu_kernels.rotary(positions, q, k, cos_sin_cache)
+            return q, k
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
 
 
 def select_ops(device: torch.device, backend: str = "auto"):

@@ -1,31 +1,47 @@
-"""Engine arguments, as users of vLLM know them."""
+"""Engine arguments, as users of vLLM know them: the one definition that the engine's flags,
+the deployment spec's `engine` section and the scaler's engine command lines are made from."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def arg(default: Any, help: str, *, key: str | None = None, spec: bool = True) -> Any:
+    """A field of EngineArgs. `key`: its name in a deployment spec and as a flag (--key with
+    dashes) when that differs from the field's name; `spec=False`: not settable per deployment."""
+    return field(default=default, metadata={"help": help, "key": key, "spec": spec})
 
 
 @dataclass
 class EngineArgs:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # override the automatic sizing (tests)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16
-    device: str = "cpu"
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
-    gpu_memory_utilization: float = 0.9
-    activation_reserve_bytes: int = 1 << 30
-    cpu_kv_cache_fraction: float = 0.25
-    cpu_kv_cache_max_bytes: int = 2 << 30
-    enable_cuda_graphs: bool = True
-    seed: int = 0
-    num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default, one per core)
-    # Test-only: sleep this long in every step, to make a slow runtime on purpose.
-    debug_step_delay_s: float = 0.0
+    block_size: int = arg(16, "tokens per KV-cache block (a power of two)")
+    num_kv_blocks: int | None = arg(None, "KV-cache blocks (default: sized from the device's memory)")
+    max_num_seqs: int = arg(64, "sequences in one batch at most")
+    max_num_batched_tokens: int = arg(2048, "tokens in one step at most (prefill chunks included)")
+    max_model_len: int | None = arg(None, "context length (default: the model's max_position_embeddings)")
+    enable_prefix_caching: bool = arg(True, "reuse cached KV blocks across requests with a shared prefix")
+    dtype: str = arg("auto", "auto (the checkpoint's dtype where the device runs it natively), float32, "
+                             "float16, bfloat16")
+    device: str = arg("cpu", "cpu, cuda or cuda:N")
+    attention_backend: str = arg("auto", "auto (triton on CUDA, torch elsewhere), torch, triton")
+    gpu_memory_utilization: float = arg(0.9, "share of the GPU's free memory the engine may take")
+    activation_reserve_bytes: int = arg(1 << 30, "GPU memory kept free for activations", spec=False)
+    cpu_kv_cache_fraction: float = arg(0.25, "share of available RAM for the KV cache on CPU", spec=False)
+    cpu_kv_cache_max_bytes: int = arg(2 << 30, "KV cache bytes on CPU at most", spec=False)
+    enable_cuda_graphs: bool = arg(True, "replay decode steps from CUDA graphs")
+    generation_config: str = arg("auto", "defaults for a request's unset sampling fields: auto (the model's "
+                                         "generation_config.json, as vLLM), vllm (built-in defaults), or a "
+                                         "directory holding a generation_config.json")
+    seed: int = arg(0, "seed of the sampler's generator for unseeded requests")
+    num_threads: int = arg(0, "torch threads for the model on CPU (0: torch's default, one per core)",
+                           key="threads")
+    debug_step_delay_s: float = arg(0.0, "test only: sleep this long in every step (a slow runtime on purpose)",
+                                    key="debug_step_delay")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -42,3 +58,56 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         return cls(**kwargs)
+
+    # ---- the generated interfaces -----------------------------------------------------------
+    @classmethod
+    def spec_args(cls) -> dict[str, type]:
+        """Deployment-spec key -> type of every argument a deployment may set."""
+        return {_key(f): _base_type(f) for f in dataclasses.fields(cls) if f.metadata["spec"]}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + _key(f).replace("_", "-")
+            kind = _base_type(f)
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=f.metadata["help"])
+            else:
+                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+        # Older spelling, kept for existing command lines.
+        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                           help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def cli_flags(cls, spec_engine: dict[str, Any]) -> list[str]:
+        """The flags that give an engine process a deployment spec's engine arguments."""
+        fields = {_key(f): f for f in dataclasses.fields(cls)}
+        flags: list[str] = []
+        for key, value in spec_engine.items():
+            f = fields.get(key)
+            if f is None:
+                raise ValueError(f"unknown engine argument {key!r}")
+            flag = "--" + key.replace("_", "-")
+            if _base_type(f) is bool:
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags += [flag, str(value)]
+        return flags
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata["key"] or f.name
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    """int for `int | None`, and so on (fields' annotations are strings here)."""
+    hint = typing.get_type_hints(EngineArgs)[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint

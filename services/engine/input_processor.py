@@ -7,12 +7,17 @@ from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, config: ModelConfig, max_model_len: int):
+    def __init__(self, tokenizer, config: ModelConfig, max_model_len: int,
+                 generation_defaults: dict[str, float | int] | None = None):
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = max_model_len
+        self.generation_defaults = generation_defaults or {}  # fill a request's unset fields
 
-    def process(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def process(self, prompt: str | list[int], params: SamplingParams
+                ) -> tuple[str | None, list[int], SamplingParams]:
+        """(prompt text or None, prompt ids, the params with unset fields filled); raises
+        InvalidRequestError naming the bad parameter."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -34,5 +39,6 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens leaves no room to generate: this model's maximum context "
                 f"length is {self.max_model_len} tokens", "prompt")
+        params = params.resolved(self.generation_defaults)
         params.validate(self.config.vocab_size)
-        return text, ids
+        return text, ids, params

@@ -31,7 +31,7 @@ class LLM:
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         processed = [self.engine.inputs.process(p, sp) for p, sp in zip(prompts, sampling_params)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, (text, tokens), sp in zip(ids, processed, sampling_params):
+        for rid, (text, tokens, sp) in zip(ids, processed):
             self.engine.add_processed(rid, text, tokens, sp)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

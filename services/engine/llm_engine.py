@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from services.engine.block_manager import BlockManager, KvEvents
 from services.engine.config import EngineArgs
 from services.engine.detokenizer import IncrementalDetokenizer
@@ -34,10 +32,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size,
                                           self.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens)
+        # A sliding-window model attends to everything up to its window, so the context stops
+        # there: the full attention here equals the model's own.
         self.max_model_len = min(self.args.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings,
+                                 self.model_config.sliding_window or self.model_config.max_position_embeddings,
                                  self.runner.num_blocks * self.args.block_size)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
+                                     self.model_config.generation_defaults(self.args.generation_config))
         # streaming=False (offline use): step() returns only finished requests, and text is decoded
         # once at the end unless stop strings need it incrementally.
         self.streaming = streaming
@@ -57,7 +59,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids = self.inputs.process(prompt, params)
+        text, ids, params = self.inputs.process(prompt, params)
         self.add_processed(request_id, text, ids, params, arrival_time)
 
     def add_processed(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
@@ -69,6 +71,7 @@ class LLMEngine:
         `text_chars` characters of text were delivered, and max_tokens is what is left."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params = params.resolved(self.inputs.generation_defaults)  # a no-op once processed
         generated, text_chars = resumed
         prompt_ids = ids[:len(ids) - generated]
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
@@ -81,16 +84,14 @@ class LLMEngine:
 
     def _resume(self, seq: Sequence, generated: list[int], text_chars: int) -> None:
         """Make seq what it was on the replica that lost it: the same output tokens (so penalties,
-        max_tokens and usage count them), its seeded generator advanced past them, and the text
+        max_tokens and usage count them), its seeded draws continuing at the next position, and the text
         the caller has not received yet (held back at a stop-string or character boundary) still
         to come. The re-prefill recomputes their KV like a preempted sequence's."""
         seq.token_ids.extend(generated)
         seq.params.max_tokens += len(generated)
         seq.num_emitted_tokens = len(generated)
         seq.logprobs = [{} for _ in generated]  # keeps later tokens' logprobs aligned; never emitted
-        if seq.generator is not None and not seq.params.greedy:
-            for _ in generated:  # the sampler draws one vocabulary-sized row per seeded token
-                torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+        # Seeded draws are keyed on (seed, output position): nothing to replay.
         if seq.params.stop or self.streaming:
             seq.detokenizer.append(seq.token_ids)
             seq.detokenizer.sent_offset = text_chars  # may exceed output_text while a character is incomplete

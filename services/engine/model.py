@@ -1,75 +1,66 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral: GQA, RoPE, RMSNorm, SwiGLU) over the paged cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3: GQA, RoPE, RMSNorm, SwiGLU) over the paged
+cache.
 
-Weights are loaded from the model directory's safetensors with q/k/v and gate/up fused, so a
-layer is four matmuls. The forward pass takes a flat batch of tokens from many sequences.
+Weights are read tensor by tensor from the checkpoint (services.engine.checkpoint) straight into
+the engine's dtype, with q/k/v and gate/up fused, so a layer is four matmuls. The forward pass
+takes a flat batch of tokens from many sequences.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
-from services.engine.attention import AttentionMetadata
 from kernels.reference import compute_cos_sin_cache
+from services.engine.attention import AttentionMetadata
+from services.engine.checkpoint import Checkpoint
+from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
 
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+# Per-layer linear layers and norm weights, as LlamaLayer names them.
+LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
+LAYER_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool):
+    def __init__(self, ckpt: Checkpoint, prefix: str, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device):
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
-        self.qkv = torch.cat([w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"], w[f"{a}.v_proj.weight"]])
-        self.qkv_bias = (torch.cat([w[f"{a}.q_proj.bias"], w[f"{a}.k_proj.bias"], w[f"{a}.v_proj.bias"]])
-                         if bias else None)
-        self.o = w[f"{a}.o_proj.weight"]
-        self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]])
-        self.down = w[f"{m}.down_proj.weight"]
-        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
-        self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
-
-    def tensors(self) -> list[str]:
-        return ["qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm"]
+        proj = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
+        self.qkv = Linear(ckpt.fused([f"{p}.weight" for p in proj], dtype, device),
+                          ckpt.fused([f"{p}.bias" for p in proj], dtype, device) if config.attention_bias else None)
+        self.o = Linear(ckpt.get(f"{a}.o_proj.weight", dtype, device))
+        self.gate_up = Linear(ckpt.fused([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], dtype, device))
+        self.down = Linear(ckpt.get(f"{m}.down_proj.weight", dtype, device))
+        self.input_norm = ckpt.get(f"{prefix}.input_layernorm.weight", dtype, device)
+        self.post_norm = ckpt.get(f"{prefix}.post_attention_layernorm.weight", dtype, device)
+        self.q_norm = ckpt.get(f"{a}.q_norm.weight", dtype, device) if config.qk_norm else None
+        self.k_norm = ckpt.get(f"{a}.k_norm.weight", dtype, device) if config.qk_norm else None
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops):
         self.config, self.dtype, self.device, self.ops = config, dtype, device, ops
-        w = _load_tensors(config.path)
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w.get("lm_head.weight", self.embed)
-        self.norm = w["model.norm.weight"]
-        self.layers = [LlamaLayer(w, f"model.layers.{i}", config.attention_bias) for i in range(config.num_layers)]
-        del w
-        self._to(dtype, device)
+        ckpt = Checkpoint(config.path)
+        self.embed = ckpt.get("model.embed_tokens.weight", dtype, device)
+        # Tied embeddings: the lookup reads the plain table, the logits a packed copy of it.
+        tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else ckpt.get("lm_head.weight", dtype, device))
+        self.norm = ckpt.get("model.norm.weight", dtype, device)
+        self.layers = [LlamaLayer(ckpt, f"model.layers.{i}", config, dtype, device) for i in range(config.num_layers)]
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.rope = compute_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                           c.rope_scaling).to(device)
         self.attn = ops.attention_cls(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
-    def _to(self, dtype: torch.dtype, device: torch.device) -> None:
-        def conv(t):
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
-
-        tied = self.lm_head is self.embed
-        self.embed, self.norm = conv(self.embed), conv(self.norm)
-        self.lm_head = self.embed if tied else conv(self.lm_head)
-        for layer in self.layers:
-            for name in layer.tensors():
-                setattr(layer, name, conv(getattr(layer, name)))
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as held (packed layouts included; a tied lm_head that shares
+        the embedding's storage counted once)."""
+        linears = [self.lm_head] + [getattr(layer, n) for layer in self.layers for n in LAYER_LINEARS]
+        norms = [self.embed, self.norm] + [getattr(layer, n) for layer in self.layers for n in LAYER_NORMS]
+        shared = self.lm_head.weight is self.embed
+        return (sum(lin.nbytes for lin in linears) - (self.embed.numel() * self.embed.element_size() if shared else 0)
+                + sum(t.numel() * t.element_size() for t in norms if t is not None))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -84,18 +75,22 @@ class LlamaModel:
                 residual, x = h, ops.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
-            qkv = torch.nn.functional.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(n, c.num_heads, c.head_dim)
-            k = k.view(n, c.num_kv_heads, c.head_dim)
+            q = q.reshape(n, c.num_heads, c.head_dim)
+            k = k.reshape(n, c.num_kv_heads, c.head_dim)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+                q = ops.rms_norm(q, layer.q_norm, eps)
+                k = ops.rms_norm(k, layer.k_norm, eps)
             q, k = ops.rotary(positions, q, k, self.rope, c.head_dim)
             o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            h = torch.nn.functional.linear(o.view(n, self.q_size), layer.o)
+            h = layer.o(o.view(n, self.q_size))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = torch.nn.functional.linear(ops.silu_and_mul(torch.nn.functional.linear(x, layer.gate_up)), layer.down)
+            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         h, _ = ops.rms_norm(h, self.norm, eps, residual)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head).float()
+        """[rows, vocab] in the model's dtype: the sampler converts what it needs to fp32."""
+        return self.lm_head(hidden)

@@ -1,4 +1,5 @@
-"""What the engine needs from a Hugging Face model directory's config.json."""
+"""What the engine needs from a Hugging Face model directory's config.json (and
+generation_config.json)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+from services.engine.sampling_params import BUILTIN_DEFAULTS
+
+# Llama-family decoders: GQA, RoPE, RMSNorm, SwiGLU. Qwen2 adds q/k/v biases, Qwen3 a per-head
+# RMSNorm on q and k before RoPE.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# generation_config.json keys that fill a request's unset sampling fields (as vLLM reads them).
+GENERATION_DEFAULT_KEYS = tuple(BUILTIN_DEFAULTS)
 
 
 @dataclass
@@ -26,6 +33,8 @@ class ModelConfig:
     rope_scaling: dict | None
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: int | None = None  # when the model attends to a window only
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
@@ -40,8 +49,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"{path}: architecture {archs} not supported "
-                             f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})")
+            raise ValueError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         # transformers >= 5 writes rope settings as rope_parameters; older configs use
         # rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -52,13 +61,14 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        gen_file = path / "generation_config.json"
-        if gen_file.exists():
-            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-            for t in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
-                if t is not None and t not in eos_ids:
-                    eos_ids.append(t)
+        gen_eos = _generation_config(path).get("eos_token_id")
+        for t in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if t is not None and t not in eos_ids:
+                eos_ids.append(t)
         heads = cfg["num_attention_heads"]
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        # Mistral attends to a window whenever one is set; Qwen only when use_sliding_window says so.
+        window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         return cls(
             path=path,
             architecture=arch,
@@ -74,9 +84,30 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 has q/k/v biases without saying so in its config.
+            # Qwen2 has q/k/v biases without saying so in its config; Qwen3 has none.
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         )
+
+    def generation_defaults(self, source: str = "auto") -> dict[str, float | int]:
+        """Sampling defaults for unset request fields: "auto" reads the model directory's
+        generation_config.json, "vllm" or "none" uses none (the built-in defaults apply), any
+        other value is a directory holding a generation_config.json."""
+        if source in ("vllm", "none"):
+            return {}
+        folder = self.path if source == "auto" else Path(source)
+        if source != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config: {folder} has no generation_config.json "
+                             f"(or use 'auto' or 'vllm')")
+        gen = _generation_config(folder)
+        return {k: gen[k] for k in GENERATION_DEFAULT_KEYS if isinstance(gen.get(k), (int, float))
+                and not isinstance(gen.get(k), bool)}
+
+
+def _generation_config(folder: Path) -> dict:
+    gen_file = folder / "generation_config.json"
+    return json.loads(gen_file.read_text()) if gen_file.exists() else {}

@@ -7,7 +7,9 @@ import time
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata
@@ -32,6 +34,28 @@ def _keep_freed_memory_on_cpu() -> None:
             libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (glibc's maximum)
         except OSError:
             pass
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 dot-product instructions (AVX512-BF16 or AMX on x86, BF16 on Arm): there bf16 matmuls
+    run at about 4x fp32's rate; elsewhere oneDNN emulates them, slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
+def auto_dtype(device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """dtype=auto: the checkpoint's dtype where the device runs it natively. On CUDA fp32
+    checkpoints run in bf16 (as vLLM does); on CPU bf16 runs in bf16 where the CPU has bf16
+    instructions, and fp16 (no fast CPU path) and everything else in fp32."""
+    stored = _DTYPES.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
+    if device.type == "cuda":
+        return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if stored == torch.bfloat16 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 # One engine step, phase by phase (seconds). `other` is the step's wall time minus the named
@@ -74,7 +98,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(config.num_layers)]
-        self.sampler = Sampler(config.vocab_size)
+        self.sampler = Sampler(config.vocab_size, self.device)
         self.graphs = None
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -85,7 +109,7 @@ class ModelRunner:
 
     def _resolve_dtype(self, dtype: str) -> torch.dtype:
         if dtype == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            return auto_dtype(self.device, self.config.torch_dtype)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
@@ -128,7 +152,11 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:  # a prefill chunk: its slots in one numpy expression, not a Python loop per token
+                span = np.arange(start, start + n)
+                slots.extend((np.asarray(table, dtype=np.int64)[span // bs] * bs + span % bs).tolist())
 
         def tables(group) -> torch.Tensor:
             width = max((len(s.block_table) for s, _ in group), default=0)
@@ -185,18 +213,20 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.graphs is not None and self._is_decode_only(batch) and self.graphs.can_run(len(batch.seqs)):
             seqs = batch.seqs
+            sampling = self.sampler.prepare(seqs)
             hidden = self._decode_with_graph(seqs)
             t1 = time.perf_counter()
             logits = self.model.logits(hidden)
         else:
             ids, pos, meta, rows, seqs = self.prepare(batch)
+            sampling = self.sampler.prepare(seqs)
             t1 = time.perf_counter()
             hidden = self.model.forward(ids, pos, meta, self.kv_caches)
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if logits is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        result = self.sampler(logits.cpu(), seqs) if logits is not None else SampleResult([], [])
+        result = self.sampler.sample(logits, sampling) if logits is not None else SampleResult([], [])
         t3 = time.perf_counter()
         if timings is not None:
             timings.prepare += t1 - t0

@@ -1,17 +1,61 @@
-"""Turn the step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turn a step's logits into tokens, in two halves (as mini-sglang splits it).
 
-Rows with a seed draw from their own generator, a fixed amount per step, so their tokens do not
-depend on what else is in the batch. Sampling uses the exponential race (argmax p / E with
-E ~ Exp(1)), which equals drawing from p.
+`prepare(seqs)` runs once per step on the host, before the forward pass: every row's parameters
+(temperature, top-k, top-p, min-p, penalties, random draws, logprob requests) become a few
+tensors on the logits' device. `sample(logits, batch)` runs on that device: only the chosen ids
+and the logprobs rows asked for come back to the host.
+
+The kept candidate set of a row is an intersection of thresholds on its scaled logits, applied
+in this order: top-k (the k-th largest value; ties with it stay), top-p (over the top-k set,
+renormalized: the smallest prefix by descending probability whose mass reaches top_p, the
+token that crosses it and its ties included), min-p (probability at least min_p times the
+largest). Nothing sorts the vocabulary: top-k rows pick among their k largest values and the
+k-th's ties; rows without top-k sample the whole row by inverse CDF, and top-p there is exact
+rejection sampling (draw from the row above a pivot, accept if the token is inside the top-p
+set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the vocabulary-wide
+passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
+read the logits in the model's dtype; elsewhere the same steps run as torch ops.
+
+Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
+(seed, output position, round), so a row's tokens depend on nothing else in the batch and a
+resumed stream needs no replay of earlier draws; other rows share the engine's generator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.engine.sequence import Sequence
+
+NEG_INF = float("-inf")
+MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
+CPU_SAMPLE_ROUNDS = 8  # top-p rejection rounds in the C kernel; a row rejected 8 times continues in torch
+TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties (C path); more: the full path
+TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer over uint64s (wrapping arithmetic)."""
+    x = x + np.uint64(_GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniforms(seeds: list[int], positions: list[int], round_: int = 0) -> np.ndarray:
+    """One uniform in [0, 1) per (seed, position, round): a pure function of its key."""
+    with np.errstate(over="ignore"):
+        s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+        key = _splitmix64(s) ^ np.array(positions, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+        key = _splitmix64(key ^ np.uint64((round_ * 0xA0761D6478BD642F) & _MASK64))
+    return (key >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass
@@ -21,91 +65,361 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
+@dataclass
+class Penalties:
+    """Rows with a penalty and what they need, padded to rectangles for gather/scatter."""
+
+    rows: torch.Tensor  # [p] row indices into the batch
+    seen_ids: torch.Tensor | None  # [p, L] prompt + output ids (padded by repeating an id) for repetition
+    repetition: torch.Tensor | None  # [p, 1]
+    output_ids: torch.Tensor | None  # [p, O] output ids, sorted per row, padded with the row's first id
+    output_weight: torch.Tensor | None  # [p, O] 1.0 for real ids, 0.0 for padding
+    output_first: torch.Tensor | None  # [p, O] 1.0 where an id occurs for the first time in its row
+    frequency: torch.Tensor | None  # [p, 1]
+    presence: torch.Tensor | None  # [p, 1]
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters, one row per sequence that samples."""
+
+    num_rows: int
+    device: torch.device
+    all_greedy: bool = True
+    temperature: torch.Tensor | None = None  # [n, 1]; 1 on greedy rows
+    top_k_rows: list[int] = field(default_factory=list)  # sampled rows with top-k on
+    top_k: torch.Tensor | None = None  # [len(top_k_rows), 1] int64
+    max_top_k: int = 0
+    full_rows: list[int] = field(default_factory=list)  # sampled rows without top-k
+    top_p: torch.Tensor | None = None  # [n, 1]
+    any_top_p: bool = False
+    log_min_p: torch.Tensor | None = None  # [n, 1]; -inf where min-p is off
+    any_min_p: bool = False
+    # Uniform draws: seeded rows by (seed, position); others from the sampler's generator.
+    seeded_rows: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    penalties: Penalties | None = None
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_counts: list[int] = field(default_factory=list)
+
+
+def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Rows of ids as one rectangle, each padded by repeating its first id (harmless for
+    gather/scatter of the same value)."""
+    out = np.empty((len(rows), width), dtype=np.int64)
+    for i, ids in enumerate(rows):
+        out[i, :len(ids)] = ids
+        out[i, len(ids):] = ids[0] if len(ids) else 0
+    return out
+
+
 class Sampler:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.generator = torch.Generator()  # unseeded rows; seeded once so runs are repeatable
         self.generator.manual_seed(0)
+        self._f32_buffer: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        logits = logits[:, :self.vocab_size]
+    # ---- prepare: host, once per step --------------------------------------------------------
+    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
+        dev = self.device
         params = [s.params for s in seqs]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-
-        if any(p.needs_penalties for p in params):
-            logits = logits.clone()
-            for i, seq in enumerate(seqs):
-                if seq.params.needs_penalties:
-                    self._apply_penalties(logits[i], seq)
-
+        batch = SamplingBatch(len(seqs), dev)
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                batch.logprob_rows.append(i)
+                batch.logprob_counts.append(p.logprobs)
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            chosen = logits.argmax(dim=-1)
-        else:
-            chosen = self._sample(logits, seqs, greedy)
-        token_ids = chosen.tolist()
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        batch.all_greedy = not sampled
+        penalized = [i for i, p in enumerate(params) if p.needs_penalties]
+        if penalized:
+            batch.penalties = self._prepare_penalties(seqs, penalized)
+        if batch.all_greedy:
+            return batch
 
-        logprob_rows: list[tuple[float, dict[int, float]] | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                row = raw_logprobs[i]
-                top: dict[int, float] = {}
-                if p.logprobs > 0:
-                    values, ids = row.topk(p.logprobs)
-                    top = dict(zip(ids.tolist(), values.tolist()))
-                logprob_rows[i] = (row[token_ids[i]].item(), top)
-        return SampleResult(token_ids, logprob_rows)
+        def column(values, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).view(-1, 1).to(dev, non_blocking=True)
 
-    @staticmethod
-    def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-        p = seq.params
-        if p.repetition_penalty != 1.0:  # as in transformers/CTRL: over prompt and output tokens
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        batch.temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        for i in sampled:
+            p = params[i]
+            if p.top_k > 0 and p.top_k < self.vocab_size:
+                batch.top_k_rows.append(i)
+            else:
+                batch.full_rows.append(i)
+            if p.seed is not None:
+                batch.seeded_rows.append(i)
+                batch.seeds.append(p.seed)
+                batch.positions.append(seqs[i].num_output_tokens)
+        if batch.top_k_rows:
+            ks = [params[i].top_k for i in batch.top_k_rows]
+            batch.top_k = column(ks, torch.int64)
+            batch.max_top_k = max(ks)
+        batch.any_top_p = any(params[i].top_p < 1.0 for i in sampled)
+        if batch.any_top_p:
+            batch.top_p = column([p.top_p for p in params])
+        batch.any_min_p = any(params[i].min_p > 0.0 for i in sampled)
+        if batch.any_min_p:
+            batch.log_min_p = column([float(np.log(p.min_p)) if p.min_p > 0 else NEG_INF for p in params])
+        return batch
+
+    def _prepare_penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
+        dev = self.device
+        ps = [seqs[i].params for i in rows]
+        pen = Penalties(torch.tensor(rows).to(dev), None, None, None, None, None, None, None)
+        arrays = [seqs[i].token_array() for i in rows]
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            # As in transformers/CTRL: over prompt and output tokens.
+            pen.seen_ids = torch.from_numpy(_padded(arrays, max(len(a) for a in arrays))).to(dev)
+            pen.repetition = torch.tensor([p.repetition_penalty for p in ps]).view(-1, 1).to(dev)
+        if any(p.frequency_penalty or p.presence_penalty for p in ps):
             # As in the OpenAI API: over generated tokens only.
-            ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.long).unique(return_counts=True)
-            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+            outputs = [np.sort(a[seqs[i].num_prompt_tokens:]) for i, a in zip(rows, arrays)]
+            width = max(max(len(o) for o in outputs), 1)
+            ids = _padded(outputs, width)
+            lengths = np.array([len(o) for o in outputs])
+            real = np.arange(width)[None, :] < lengths[:, None]
+            first = real.copy()
+            first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+            pen.output_ids = torch.from_numpy(ids).to(dev)
+            pen.output_weight = torch.from_numpy(real.astype(np.float32)).to(dev)
+            pen.output_first = torch.from_numpy(first.astype(np.float32)).to(dev)
+            pen.frequency = torch.tensor([p.frequency_penalty for p in ps]).view(-1, 1).to(dev)
+            pen.presence = torch.tensor([p.presence_penalty for p in ps]).view(-1, 1).to(dev)
+        return pen
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        n, vocab = logits.shape
-        temps = torch.tensor([1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)],
-                             dtype=logits.dtype)
-        scaled = logits / temps[:, None]
-        if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
-            scaled = self._top_k_top_p(scaled, seqs)
-        probs = torch.softmax(scaled, dim=-1)
-        min_ps = [s.params.min_p for s in seqs]
-        if any(min_ps):
-            floor = torch.tensor(min_ps, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
-        return sampled
+    # ---- sample: on the logits' device -------------------------------------------------------
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        return self.sample(logits, self.prepare(seqs))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten.
+        Logits stay in the model's dtype where only comparisons read them (argmax, top-k
+        candidates); penalties and whole-row sampling work on an fp32 copy."""
+        logits = logits[:, :self.vocab_size]
+        logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
+        if batch.penalties is not None:
+            logits = self.apply_penalties(self._fp32(logits), batch)
+        if batch.all_greedy:
+            chosen = self._argmax(logits)
+        else:
+            chosen = self._draw(logits, batch)
+        token_ids = chosen.tolist()
+        results: list[tuple[float, dict[int, float]] | None] = [None] * batch.num_rows
+        if logprob_rows is not None:
+            raw, top_values, top_ids = logprob_rows
+            chosen_lp = raw.gather(1, chosen[batch.logprob_rows].view(-1, 1)).view(-1).tolist()
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+            for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.logprob_counts)):
+                results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
+        return SampleResult(token_ids, results)
+
+    # ---- the vocabulary-wide primitives: C kernels on CPU, torch elsewhere ----------------------
+    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x as fp32: itself, or a copy in a buffer kept across steps (a fresh [rows, vocab]
+        fp32 tensor is large enough to be mmap'ed, and its page faults cost more than the copy)."""
+        if x.dtype == torch.float32:
+            return x
+        if self._f32_buffer is None or self._f32_buffer.shape[0] < x.shape[0] or self._f32_buffer.device != x.device:
+            self._f32_buffer = torch.empty((max(x.shape[0], 64), self.vocab_size), dtype=torch.float32, device=x.device)
+        return self._f32_buffer[:x.shape[0], :x.shape[1]].copy_(x)
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        vocab = logits.shape[1]
-        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
-        drop = ranks >= top_k[:, None]
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    def _argmax(x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            return cpu_kernels.argmax(x)
+        return x.argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
+        """Log-softmax of the raw logits (before penalties and temperature), asking rows only."""
+        raw = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
+        k = max(batch.logprob_counts)
+        values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        return raw, values, ids
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The penalized fp32 logits, in place: repetition (over prompt and output, as
+        transformers), then frequency and presence (over output tokens, as OpenAI)."""
+        pen = batch.penalties
+        if pen is None:
+            return logits
+        every_row = pen.rows.numel() == logits.shape[0]
+        rows = logits if every_row else logits.index_select(0, pen.rows)
+        if pen.seen_ids is not None:
+            # Gathered before any write: duplicate ids scatter the same value back.
+            seen = rows.gather(1, pen.seen_ids)
+            seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
+            rows.scatter_(1, pen.seen_ids, seen)
+        if pen.output_ids is not None:
+            delta = pen.frequency * pen.output_weight + pen.presence * pen.output_first
+            rows.scatter_add_(1, pen.output_ids, -delta)
+        if not every_row:
+            logits.index_copy_(0, pen.rows, rows)
+        return logits
+
+    def _uniforms(self, batch: SamplingBatch, rows: list[int], round_: int) -> torch.Tensor:
+        """[len(rows), 1] uniforms for these rows of the batch, this rejection round."""
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        if batch.seeded_rows:
+            where = {r: j for j, r in enumerate(rows)}
+            picked = [(where[r], s, pos) for r, s, pos in zip(batch.seeded_rows, batch.seeds, batch.positions)
+                      if r in where]
+            if picked:
+                index, seeds, positions = zip(*picked)
+                u[list(index)] = torch.from_numpy(counter_uniforms(list(seeds), list(positions), round_))
+        return u.view(-1, 1).to(self.device, non_blocking=True)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        chosen = self._argmax(logits)  # greedy rows keep it
+        fallback: list[int] = []
+        if batch.top_k_rows:
+            fallback = self._draw_top_k(logits, batch, chosen)
+        full = sorted(batch.full_rows + fallback)
+        if full:
+            self._draw_full(logits, batch, full, chosen, set(fallback))
+        return chosen
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) == logits.shape[0]:
+            return logits
+        return logits.index_select(0, torch.tensor(rows, device=logits.device))
+
+    def _candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's k largest values and every value tied with its k-th (the kept set keeps
+        ties, and bf16 logits tie often): (fp32 values sorted descending, -inf as padding; ids;
+        complete: whether the row's candidates hold every such value, else it takes the full
+        path). On CPU one C pass; elsewhere topk, widened while ties reach its last column."""
+        vocab = x.shape[1]
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            values, ids, counts = cpu_kernels.topk_with_ties(x, k, k + TOP_K_TIE_ROOM)
+            return values, ids, counts >= 0
+        width = min(k + 1, vocab)
+        for _ in range(TOP_K_WIDENINGS):
+            values, ids = x.topk(width, dim=-1)
+            values = values.float()
+            complete = values[:, -1] < values[:, k - 1] if width < vocab else torch.ones_like(values[:, 0], dtype=torch.bool)
+            if bool(complete.all()):
+                break
+            width = min(4 * width, vocab)
+        return values, ids, complete
+
+    def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor) -> list[int]:
+        """Rows with top-k: sample among their candidates (the k-th value's ties included).
+        Returns the rows whose ties did not fit the candidates; they take the full-row path."""
+        rows = batch.top_k_rows
+        # Temperature scaling keeps the order: pick candidates first, then scale them.
+        values, ids, complete = self._candidates(self._rows(logits, rows), batch.max_top_k)
+        width = values.shape[1]
+        values = values / batch.temperature[rows]
+        kth = values.gather(1, batch.top_k - 1)
+        keep = values >= kth
+        if batch.any_top_p:
+            probs = torch.softmax(values.masked_fill(~keep, NEG_INF), dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # The kept prefix ends at the crossing token; its ties stay (threshold semantics).
+            last = (mass_before < batch.top_p[rows]).sum(dim=-1, keepdim=True).clamp(min=1) - 1
+            keep &= values >= values.gather(1, last)
+        if batch.any_min_p:
+            keep &= values >= values[:, :1] + batch.log_min_p[rows]
+        weights = torch.exp(values - values[:, :1]).masked_fill_(~keep, 0.0)
+        cdf = weights.cumsum(dim=-1)
+        u = self._uniforms(batch, rows, 0)
+        index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=width - 1)
+        picked = ids.gather(1, index).view(-1)
+        if bool(complete.all()):
+            chosen[rows] = picked
+            return []
+        good = complete.nonzero().view(-1).tolist()
+        if good:
+            chosen[[rows[j] for j in good]] = picked[good]
+        return [rows[j] for j in (~complete).nonzero().view(-1).tolist()]
+
+    def _draw_full(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
+                   tied_top_k_rows: set[int]) -> None:
+        """Inverse-CDF sampling over whole rows; top-p by rejection against a rising pivot.
+
+        On CPU one C pass per row does it (the first rounds); elsewhere, and for a row the C
+        rounds all rejected, torch on w = exp((logit - max) / T), the unnormalized
+        probabilities (largest 1), in one buffer: the thresholds compare probabilities."""
+        first_round = 0
+        x = self._rows(logits, rows)
+        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+            picked = self._draw_full_cpu(x, batch, rows, tied_top_k_rows).tolist()
+            left = [j for j, token in enumerate(picked) if token < 0]
+            done = [j for j, token in enumerate(picked) if token >= 0]
+            chosen[[rows[j] for j in done]] = torch.tensor([picked[j] for j in done], dtype=chosen.dtype)
+            if not left:
+                return
+            rows, first_round = [rows[j] for j in left], CPU_SAMPLE_ROUNDS
+        w = self._fp32(self._rows(logits, rows))  # in place when every row is here
+        w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
+        if tied_top_k_rows:  # apply the k-th value threshold over the whole row
+            where = {r: j for j, r in enumerate(batch.top_k_rows)}
+            ks = torch.tensor([int(batch.top_k[where[r]]) if r in tied_top_k_rows else 0 for r in rows],
+                              device=w.device).view(-1, 1)
+            kth = w.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).clamp(min=0))
+            w.masked_fill_((ks > 0) & (w < kth), 0.0)
+        sample_w = w
+        if batch.any_min_p:  # p / p_max = w
+            sample_w = w.masked_fill(w < batch.log_min_p[rows].exp(), 0.0)
+        top_p = batch.top_p[rows] if batch.any_top_p else None
+        total = w.sum(dim=-1, keepdim=True) if top_p is not None else None
+        pending = list(range(len(rows)))  # positions in `rows` still to draw
+        ws, sws = w, sample_w  # the pending rows' tensors
+        for round_ in range(MAX_REJECTION_ROUNDS):
+            cdf = sws.cumsum(dim=-1)
+            u = self._uniforms(batch, [rows[j] for j in pending], first_round + round_)
+            index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=w.shape[1] - 1)
+            del cdf
+            if top_p is None:
+                chosen[rows] = index.view(-1)
+                return
+            value = ws.gather(1, index)
+            # Inside the top-p set iff the mass strictly above the token is below top_p.
+            above = ws.masked_fill(ws <= value, 0.0).sum(dim=-1, keepdim=True)
+            accept = (above < top_p[pending] * total[pending]).view(-1).tolist()
+            taken = [i for i, ok in enumerate(accept) if ok]
+            if taken:
+                chosen[[rows[pending[i]] for i in taken]] = index.view(-1)[taken]
+            rejected = [i for i, ok in enumerate(accept) if not ok]
+            if not rejected:
+                return
+            # Everything at or below a rejected token is outside the top-p set: raise the pivot.
+            ws, value = ws[rejected], value[rejected]
+            sws = sws[rejected].masked_fill_(ws <= value, 0.0)
+            pending = [pending[i] for i in rejected]
+        for j in pending:  # exact fallback for what is left: sort the row
+            chosen[rows[j]] = self._sort_sample(w[j], sample_w[j], top_p[j], batch, rows[j])
+
+    def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int],
+                       tied_top_k_rows: set[int]) -> torch.Tensor:
+        """The first CPU_SAMPLE_ROUNDS draws of every row in the C kernel; -1 where all were
+        rejected."""
+        n = len(rows)
+        floor = torch.full((n,), NEG_INF)
+        if tied_top_k_rows:  # the k-th raw value bounds the row from below
+            where = {r: j for j, r in enumerate(batch.top_k_rows)}
+            for j, r in enumerate(rows):
+                if r in tied_top_k_rows:
+                    k = int(batch.top_k[where[r]])
+                    floor[j] = x[j].float().topk(k).values[-1]
+        temperature = batch.temperature[rows].view(-1)
+        min_p = batch.log_min_p[rows].exp().view(-1) if batch.any_min_p else torch.zeros(n)
+        top_p = batch.top_p[rows].view(-1) if batch.any_top_p else torch.ones(n)
+        uniforms = torch.cat([self._uniforms(batch, rows, round_) for round_ in range(CPU_SAMPLE_ROUNDS)], dim=1)
+        return cpu_kernels.sample_rows(x, temperature, min_p, top_p, floor, uniforms)
+
+    def _sort_sample(self, w, sample_w, top_p, batch: SamplingBatch, row: int) -> torch.Tensor:
+        ordered = w.sort(descending=True).values
+        mass_before = (ordered.cumsum(0) - ordered) / ordered.sum()
+        last = int((mass_before < top_p).sum().clamp(min=1)) - 1
+        cdf = sample_w.masked_fill(w < ordered[last], 0.0).cumsum(0)
+        u = self._uniforms(batch, [row], MAX_REJECTION_ROUNDS).view(-1)
+        return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[-1:], right=True).clamp_(max=w.shape[0] - 1)[0]

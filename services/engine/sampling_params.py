@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -13,13 +14,22 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# What an unset sampling field means when the model's generation_config.json does not say
+# (vLLM's defaults); the checkpoint's values fill in first (ModelConfig.generation_defaults).
+BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclass
 class SamplingParams:
+    """None for the fields of BUILTIN_DEFAULTS means unset: the engine fills them in from the
+    model's generation config when a request is added (`resolved`), so an explicit value always
+    wins and the engine only ever sees concrete values."""
+
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 = off
-    min_p: float = 0.0
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0 = off
+    min_p: float | None = None
     seed: int | None = None  # same seed, same output, whatever else is in the batch
     stop: list[str] | str | None = None  # not included in the output text
     stop_token_ids: list[int] = field(default_factory=list)
@@ -27,7 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0 = only the chosen one)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -38,6 +48,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def resolved(self, defaults: dict[str, float | int] | None = None) -> "SamplingParams":
+        """A copy with every unset field filled: from `defaults` (the generation config), else
+        the built-in default."""
+        unset = {name: (defaults or {}).get(name, value) for name, value in BUILTIN_DEFAULTS.items()
+                 if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
     GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T: treated as greedy
 
@@ -53,6 +70,9 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param}: {message}", param)
 
+        for name in BUILTIN_DEFAULTS:
+            if getattr(self, name) is None:
+                raise bad(name, "unset (resolve the parameters first)")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

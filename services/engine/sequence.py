@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
+import numpy as np
 
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.sampling_params import SamplingParams
@@ -37,9 +37,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # hash of each full block, memoized by the block manager
         self.num_registered_blocks = 0  # leading blocks of block_table already checked into the cache
 
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self._token_array = np.empty(0, dtype=np.int64)  # token_ids as an array, extended lazily
+        self._token_array_len = 0
         self.logprobs: list[dict] = []
         self.num_emitted_tokens = 0  # output tokens already handed out in a step output
 
@@ -59,6 +58,19 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def token_array(self) -> np.ndarray:
+        """token_ids as an int64 array (a view valid until the next call); extended by what was
+        appended since the last call, so a step costs its new tokens, not the whole sequence."""
+        n = len(self.token_ids)  # token_ids only ever grow
+        if n > len(self._token_array):
+            grown = np.empty(max(2 * len(self._token_array), n, 64), dtype=np.int64)
+            grown[:self._token_array_len] = self._token_array[:self._token_array_len]
+            self._token_array = grown
+        if n > self._token_array_len:
+            self._token_array[self._token_array_len:n] = self.token_ids[self._token_array_len:n]
+            self._token_array_len = n
+        return self._token_array[:n]
 
     @property
     def is_finished(self) -> bool:

@@ -132,9 +132,15 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
         raise bad(f"'{param}' must be an integer in [1, 2**31)", param)
-    top_k = _number(body, "top_k", -1, -1, 2**31 - 1, integer=True)
+    top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
     if top_k == 0:
         raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
+
+    def optional_float(name: str, lo, hi, lo_open=False) -> float | None:
+        # Unset stays unset: the engine fills it from the model's generation config.
+        value = _number(body, name, None, lo, hi, lo_open=lo_open)
+        return None if value is None else float(value)
+
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
                                                  for t in stop_ids):
@@ -145,10 +151,10 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         raise bad("'ignore_eos' must be a boolean", "ignore_eos")
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
+        temperature=optional_float("temperature", 0.0, 2.0),
+        top_p=optional_float("top_p", 0.0, 1.0, lo_open=True),
         top_k=top_k,
-        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        min_p=optional_float("min_p", 0.0, 1.0),
         seed=seed,
         stop=_stop(body),
         stop_token_ids=stop_ids,
@@ -156,7 +162,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         logprobs=logprobs,
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
+        repetition_penalty=optional_float("repetition_penalty", 0.0, 10.0, lo_open=True),
     )
 
 

@@ -75,13 +75,14 @@ def annotate_request(gen: GenerateRequest, stream: bool) -> None:
     s = gen.sampling
     span.update_name(f"{GENERATION_PATHS[request.path]} {gen.model}")
     span.set_attributes({"strata.request_id": gen.request_id, telemetry.GEN_AI_REQUEST_MODEL: gen.model,
-                         telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens,
-                         telemetry.GEN_AI_REQUEST_TEMPERATURE: s.temperature, telemetry.GEN_AI_REQUEST_TOP_P: s.top_p,
-                         telemetry.GEN_AI_REQUEST_STREAM: stream})
-    if s.top_k > 0:
+                         telemetry.GEN_AI_REQUEST_MAX_TOKENS: s.max_tokens, telemetry.GEN_AI_REQUEST_STREAM: stream})
+    # What the client set; unset fields take the model's defaults in the engine.
+    for attribute, value in ((telemetry.GEN_AI_REQUEST_TEMPERATURE, s.temperature),
+                             (telemetry.GEN_AI_REQUEST_TOP_P, s.top_p), (telemetry.GEN_AI_REQUEST_SEED, s.seed)):
+        if value is not None:
+            span.set_attribute(attribute, value)
+    if s.top_k is not None and s.top_k > 0:
         span.set_attribute(telemetry.GEN_AI_REQUEST_TOP_K, s.top_k)
-    if s.seed is not None:
-        span.set_attribute(telemetry.GEN_AI_REQUEST_SEED, s.seed)
 
 
 def annotate_response(response_id: str, model: str, final: TokenChunk, ttft: float,

@@ -15,6 +15,7 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
+from services.control.client import ControlClient
 from shared import protocol
 from shared.bus import Bus, NatsAuth
 from shared.localstack import free_port, nats_server_binary
@@ -62,7 +63,7 @@ async def test_a_connection_without_credentials_is_refused(stack):
 
 async def test_forged_heartbeat_cancel_and_deployment_change_are_refused_by_nats(stack):
     admin = await Bus.connect(stack.infra.nats_url_as("admin"), "observer")
-    seen: dict[str, list] = {"heartbeat": [], "cancel": [], "deployments": []}
+    seen: dict[str, list] = {"heartbeat": [], "cancel": [], "deployments": [], "keys": []}
 
     def recorder(kind: str):
         async def record(msg) -> None:
@@ -71,6 +72,7 @@ async def test_forged_heartbeat_cancel_and_deployment_change_are_refused_by_nats
     await admin.nc.subscribe(protocol.heartbeat("forged-replica"), cb=recorder("heartbeat"))
     await admin.nc.subscribe(protocol.CANCEL, cb=recorder("cancel"))
     await admin.nc.subscribe(protocol.CONTROL_DEPLOYMENTS, cb=recorder("deployments"))
+    await admin.nc.subscribe(protocol.CONTROL_KEYS, cb=recorder("keys"))
     await admin.nc.flush()
     violations = Violations()
     client = await connect_as(stack, "client", violations)  # another team's service: may only ask
@@ -83,11 +85,14 @@ async def test_forged_heartbeat_cancel_and_deployment_change_are_refused_by_nats
             await client.publish(protocol.heartbeat("forged-replica"), protocol.encode(hb))
         await client.publish(protocol.CONTROL_DEPLOYMENTS, protocol.encode(protocol.DeploymentChanged(
             name=MODEL, action="delete", generation=99)))
+        # A forged revocation would lock a tenant out of every gateway's cache: only control sends one.
+        await client.publish(protocol.CONTROL_KEYS, protocol.encode(protocol.KeyRevoked(key_hash="0" * 64)))
         await scaler.publish(protocol.CANCEL, protocol.encode(protocol.Cancel(request_id="someone", tenant="x")))
         await client.flush()
         await scaler.flush()
         await violations.wait(f'publish to "{protocol.heartbeat("forged-replica")}"')
         await violations.wait(f'publish to "{protocol.CONTROL_DEPLOYMENTS}"')
+        await violations.wait(f'publish to "{protocol.CONTROL_KEYS}"')
         await scaler_violations.wait(f'publish to "{protocol.CANCEL}"')
         # Nor may it read what is not its own: requests to schedulers, gateways' streams.
         for subject in (protocol.GENERATE, "_INBOX.gateway.>", protocol.ENGINE_GENERATE_ALL, protocol.LOGS_ALL):
@@ -98,7 +103,7 @@ async def test_forged_heartbeat_cancel_and_deployment_change_are_refused_by_nats
     finally:
         await client.close()
         await scaler.close()
-    assert seen == {"heartbeat": [], "cancel": [], "deployments": []}
+    assert seen == {"heartbeat": [], "cancel": [], "deployments": [], "keys": []}
     async with aiohttp.ClientSession() as http:  # the forged replica attracted nothing; the deployment stands
         outs = await asyncio.gather(*(stream_completion(http, stack.base_url, stack.api_key,
                                                         {"model": MODEL, "prompt": f"still {i}", "max_tokens": 4})
@@ -112,7 +117,18 @@ async def test_every_service_runs_with_its_own_role(stack):
     permissions violation (each publishes and subscribes only within its own permissions)."""
     async with aiohttp.ClientSession() as http:
         out = await stream_completion(http, stack.base_url, stack.api_key, {"model": MODEL, "prompt": "roles"})
-    assert out.ok, out
+        assert out.ok, out
+        # A key control revokes is refused by the gateway at once: control may publish the
+        # revocation and the gateway read it (its cache would keep the key for 10 s otherwise).
+        control = ControlClient(stack.control_url, stack.api_key)
+        created = await asyncio.to_thread(control.create_key, "roles-team")
+        body = {"model": MODEL, "prompt": "key", "max_tokens": 1}
+        assert (await stream_completion(http, stack.base_url, created["api_key"], body)).ok  # cached now
+        await asyncio.to_thread(control.revoke_key, created["id"])
+        refused_by = time.monotonic() + 2.0
+        while (out := await stream_completion(http, stack.base_url, created["api_key"], body)).status != 401:
+            assert time.monotonic() < refused_by, f"a revoked key still served after 2 s: {out}"
+            await asyncio.sleep(0.05)
     for path in stack.log_dir.glob("*.log"):
         if path.name.startswith(("nats", "valkey")):
             continue
