@@ -62,7 +62,9 @@ async def test_a_burst_far_past_capacity_is_answered_fast_and_within_every_deadl
     print(f"\n300 at once: {statuses.count(200)} served, {statuses.count(503)} refused with 503, "
           f"slowest answer {max(r[1] for r in results):.1f}s")
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
-    assert statuses.count(200) >= MAX_INFLIGHT and statuses.count(503) > 0
+    # Served: at least a full batch (--max-num-seqs 4); how many more depends on this machine's
+    # speed, since a request the gateway admits is still refused when it cannot start in time.
+    assert statuses.count(200) >= 4 and statuses.count(503) > 0
     assert all(seconds <= timeout + 1.0 for _, seconds, _, _ in results)  # answered within its deadline
     for status, _, body, headers in results:
         if status == 503:  # when to come back, and what went wrong, in OpenAI's shape
