@@ -123,6 +123,11 @@ def parse_placement(raw: Any, errors: list) -> Placement:
 
 
 @dataclass
+class Limits:
+    default_max_tokens: int = 1024  # chat requests that give no max_tokens (never past the context)
+
+
+@dataclass
 class DeploymentSpec:
     name: str
     model: str
@@ -134,6 +139,7 @@ class DeploymentSpec:
     canary: dict[str, Any] = field(default_factory=lambda: {"weight": 0})  # weight, and analysis
     scaling: Scaling = field(default_factory=Scaling)
     placement: Placement = field(default_factory=Placement)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def routing_policy(self) -> str:
@@ -156,7 +162,8 @@ class DeploymentSpec:
                    engine=dict(data.get("engine", {})), replicas=Replicas(**data.get("replicas", {})),
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
                    canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
-                   placement=Placement(**data.get("placement", {})))
+                   placement=Placement(**data.get("placement", {})),
+                   limits=Limits(**data.get("limits", {})))
 
 
 @dataclass
@@ -248,9 +255,20 @@ async def load(redis: aioredis.Redis, name: str) -> Deployment | None:
     return Deployment(state, specs) if state.stable in specs else None
 
 
+async def deleted(redis: aioredis.Redis, name: str) -> bool:
+    """Whether control deleted the deployment (recently: the tombstone expires after a day)."""
+    return bool(await redis.exists(keys.deployment_deleted(name)))
+
+
 class DeploymentWatcher:
     """A live copy of all deployments; on_change(name, deployment or None) runs after each
-    change this copy sees (None: deleted)."""
+    change this copy sees (None: deleted).
+
+    A deployment leaves the copy only when control deleted it (its tombstone says so). One that
+    is missing from the store without a tombstone was lost with the store's data (Valkey restarted
+    empty, a failover to a replica without it): the copy holds it, as desired state that stands
+    until someone changes it, and lists it in `lost` (an outage to alarm on; control restores it).
+    """
 
     def __init__(self, redis: aioredis.Redis, on_change: Callable[[str, Deployment | None], Awaitable[None]] | None = None,
                  resync_interval: float = 5.0):
@@ -258,6 +276,7 @@ class DeploymentWatcher:
         self.on_change = on_change
         self.resync_interval = resync_interval
         self.deployments: dict[str, Deployment] = {}
+        self.lost: set[str] = set()  # held, but missing from the store (not deleted)
         self._task: asyncio.Task | None = None
 
     async def start(self, bus) -> None:
@@ -278,6 +297,13 @@ class DeploymentWatcher:
     async def refresh(self, name: str) -> None:
         deployment = await load(self.redis, name)
         before = self.deployments.get(name)
+        if deployment is None and before is not None and not await deleted(self.redis, name):
+            if name not in self.lost:
+                log.error("deployment missing from the store without being deleted: holding its last known state "
+                          "(the store lost its data?)", deployment=name, generation=before.state.generation)
+                self.lost.add(name)
+            return
+        self.lost.discard(name)
         if deployment is None:
             self.deployments.pop(name, None)
         else:

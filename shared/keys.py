@@ -87,3 +87,13 @@ POOLS = f"{PREFIX}:pools"  # Set: names of capacity pools stored by control
 
 
 MODELS = f"{PREFIX}:models"  # Set: models that ever had a registered replica
+
+
+def deployment_deleted(name: str) -> str:
+    """String (with a TTL): control deleted this deployment (its last generation). A deployment
+    missing from the store without one was lost with the store's data, not deleted: readers hold
+    their copy (shared.deployments)."""
+    return f"{PREFIX}:deployment:{name}:deleted"
+
+
+STORE_EPOCH = f"{PREFIX}:store_epoch"  # String: a random id; gone or changed = the store lost its data

@@ -22,6 +22,7 @@ from shared.protocol import LogLine
 MAX_PENDING = 10_000  # lines waiting for the publisher; beyond this they are dropped
 STREAM_MAX_AGE_S = 3600.0
 STREAM_MAX_BYTES = 256 * 1024 * 1024
+STREAM_REPLICAS = 3  # on a NATS cluster; a single server keeps one copy
 _TOP_LEVEL = ("service", "level", "event", "timestamp")
 
 
@@ -118,30 +119,37 @@ class LogPublisher:
 
 
 async def ensure_stream(nc) -> bool:
-    """The JetStream stream keeping recent log lines; False where the server has no JetStream."""
+    """The JetStream stream keeping recent log lines, replicated on three servers where the
+    cluster has them (else on one); False where the server has no JetStream."""
     from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-    config = StreamConfig(name=protocol.LOGS_STREAM, subjects=[protocol.LOGS_ALL], max_age=STREAM_MAX_AGE_S,
-                          max_bytes=STREAM_MAX_BYTES, storage=StorageType.FILE, discard=DiscardPolicy.OLD)
-    try:
-        await nc.jetstream(timeout=2).add_stream(config)
-        return True
-    except Exception:  # no JetStream, or a stream configured otherwise by an operator: live only
-        return False
+    for replicas in (STREAM_REPLICAS, 1):
+        config = StreamConfig(name=protocol.LOGS_STREAM, subjects=[protocol.LOGS_ALL], max_age=STREAM_MAX_AGE_S,
+                              max_bytes=STREAM_MAX_BYTES, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+                              num_replicas=replicas)
+        try:
+            await nc.jetstream(timeout=2).add_stream(config)
+            return True
+        except Exception:  # fewer servers, no JetStream, or configured otherwise by an operator: live only
+            continue
+    return False
 
 
-async def start(nats_url: str, service: str, instance: str) -> LogPublisher | None:
+async def start(nats_url: str, service: str, instance: str, auth=None) -> LogPublisher | None:
     """Publish this process's log lines (None if NATS cannot be reached: the service still runs,
     its lines only go to stderr)."""
     import nats
+
+    from shared.bus import NatsAuth, servers
 
     async def ignore(*_args) -> None:  # connection trouble must not log through the tap
         return None
 
     try:
-        nc = await nats.connect(servers=[nats_url], name=f"logs-{service}-{instance}", connect_timeout=5,
+        nc = await nats.connect(servers=servers(nats_url), name=f"logs-{service}-{instance}", connect_timeout=5,
                                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=ignore, disconnected_cb=ignore, reconnected_cb=ignore, closed_cb=ignore)
+                                error_cb=ignore, disconnected_cb=ignore, reconnected_cb=ignore, closed_cb=ignore,
+                                **(auth or NatsAuth()).connect_options())
     except Exception:
         return None
     await ensure_stream(nc)

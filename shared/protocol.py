@@ -20,12 +20,17 @@ import msgpack
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+PRIORITIES = ("critical", "standard", "sheddable")  # admission classes, highest first
+MAX_TOKENS_LIMIT = 2**31 - 1  # the most max_tokens may ask for; engines also bound it by their context
+MAX_LOGPROBS = 20
 
 # ---- Subjects -------------------------------------------------------------------------------
 PREFIX = "strata.v1"
 GENERATE = f"{PREFIX}.generate"  # gateway/any caller -> schedulers (queue group SCHEDULER_QUEUE)
 SCHEDULER_QUEUE = "strata-schedulers"
 CANCEL = f"{PREFIX}.cancel"  # caller -> engines and schedulers (everyone checks ownership)
+ENGINE_GENERATE_ALL = f"{PREFIX}.engine.*.generate"  # every engine_generate(replica) subject
+ENGINE_KV_SNAPSHOT_ALL = f"{PREFIX}.engine.*.kv_snapshot"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.>"
 SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
@@ -113,6 +118,15 @@ HEADER_DEADLINE = "Strata-Deadline"  # unix seconds, as a decimal string
 # ---- Errors ---------------------------------------------------------------------------------
 class ProtocolError(ValueError):
     """A payload that is not a valid message of the expected type and version."""
+
+
+class InvalidRequest(ProtocolError):
+    """A well-formed GenerateRequest with a value out of range: its caller can be told on its
+    reply_to (which is valid), even when the message has no NATS reply subject."""
+
+    def __init__(self, message: str, request_id: str, reply_to: str):
+        super().__init__(message)
+        self.request_id, self.reply_to = request_id, reply_to
 
 
 class ErrorCode:
@@ -346,6 +360,9 @@ class GenerateRequest(Message):
     timestamps: dict[str, float] = field(default_factory=dict)
     resume: Resume | None = None  # set on the continuation of a stream that lost its replica
     region: str | None = None  # where the caller is (the gateway's region): routing prefers replicas there
+    # Set by whoever forwards it to an engine and waits for its GenerateAck: an engine that gets
+    # it after this (unix seconds) refuses it, as its sender has given up and tries another.
+    accept_by: float | None = None
 
     def validate(self) -> None:
         if not self.request_id:
@@ -370,12 +387,30 @@ class GenerateRequest(Message):
             value = getattr(s, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
+        problem = self._out_of_range()
+        if problem:
+            raise InvalidRequest(f"GenerateRequest: {problem}", self.request_id, self.reply_to)
+
+    def _out_of_range(self) -> str | None:
+        s = self.sampling
+        if self.priority is not None and self.priority not in PRIORITIES:
+            return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
+        if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
+            return f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
+        if s.top_k is not None and s.top_k != -1 and s.top_k < 1:
+            return f"sampling.top_k must be -1 (off) or >= 1, got {s.top_k}"
+        if s.seed is not None and s.seed < 0:
+            return f"sampling.seed must be >= 0, got {s.seed}"
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+            return f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}"
+        return None
 
 
 @dataclass
 class ErrorInfo(Message):
     code: str
     message: str
+    retry_after_s: float | None = None  # overloaded: when trying again is likely to find room
 
 
 @dataclass
@@ -417,8 +452,13 @@ class TokenChunk(Message):
 
 @dataclass
 class Cancel(Message):
+    """Abort a request. A cancel naming a replica is for that replica's run of the request only
+    (a scheduler withdrawing a forward that timed out): the other replicas ignore it, so it can
+    never refuse the retry on another one."""
+
     request_id: str
     tenant: str | None = None
+    replica_id: str | None = None
 
 
 @dataclass
@@ -465,6 +505,10 @@ class Heartbeat(Message):
     requests_failed: int = 0
     region: str = ""  # where the replica runs (routing prefers the request's region)
     pool: str = ""  # the capacity pool that started it ("" when not started by the scaler's pools)
+    # Progress evidence: engine steps taken so far. Heartbeats come from a thread of their own
+    # (they never wait on a step), so a replica whose steps stop while it holds work is stalled
+    # even while it still beats; one whose steps advance slowly is only busy.
+    steps_total: int = 0
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")

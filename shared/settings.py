@@ -28,6 +28,18 @@ class Settings:
     api_key: str = ""
     region: str = ""  # where this service runs: engines report it, gateways stamp it on requests,
     # schedulers prefer replicas in the request's region (empty: no region, every replica is near)
+    # NATS: credentials of this service's role (shared.nats_auth), TLS. nats_url may list several.
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_creds: str = ""  # a NATS credentials file (JWT + nkey seed) instead of user and password
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+
+    def nats_auth(self):
+        from shared.bus import NatsAuth
+
+        return NatsAuth.from_settings(self)
 
     @property
     def tiny_model_dir(self) -> Path:

@@ -115,13 +115,13 @@ def mark_error(span: Span, error_type: str, message: str = "") -> None:
     span.set_status(Status(StatusCode.ERROR, message or error_type))
 
 
-async def observed(service: str, instance: str, nats_url: str, main):
+async def observed(service: str, instance: str, nats_url: str, main, nats_auth=None):
     """Run a service's main coroutine with its spans exported (when an OTLP endpoint is set) and
-    its log lines published on NATS; flush both when it ends."""
+    its log lines published on NATS (with the service's credentials); flush both when it ends."""
     from shared import logstream
 
     setup_tracing(service, instance)
-    logs = await logstream.start(nats_url, service, instance)
+    logs = await logstream.start(nats_url, service, instance, nats_auth)
     try:
         return await main
     finally:

@@ -41,6 +41,11 @@ def readme_example() -> str:
     return re.search(r"```python\n(from openai import OpenAI\n.*?)```", text, re.S).group(1)
 
 
+def nats_env(path: Path) -> dict:
+    """The STRATA_NATS_* lines `strata up` wrote for a role."""
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,11 +84,21 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
                                          headers={"Authorization": f"Bearer {lines['api key']}"})
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert json.load(resp)["data"][0]["id"] == "tiny-llama"
+        # "up" means it serves: the first completion, right away, succeeds.
+        request = urllib.request.Request(lines["base url"] + "/completions", method="POST", data=json.dumps(
+            {"model": "tiny-llama", "prompt": "first", "max_tokens": 2}).encode(), headers={
+            "Authorization": f"Bearer {lines['api key']}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 2
+        # Its NATS admits the services' roles only; the admin's credentials are where it says.
+        creds = lines["nats"].split("credentials: ")[1].rstrip(")")
+        assert (tmp_path / "nats" / "admin.env").read_text().startswith("STRATA_NATS_USER=admin")
+        assert str(tmp_path / "nats") == creds and oct((tmp_path / "nats" / "client.env").stat().st_mode)[-3:] == "600"
 
         # Every address it printed is saved, per home, for the commands that follow.
         saved = json.loads((tmp_path / "cli.json").read_text())
         assert saved["base_url"] == lines["base url"] and saved["api_key"] == lines["api key"]
-        assert saved["nats_url"] == lines["nats"] and saved["redis_url"] == lines["redis"]
+        assert saved["nats_url"] == lines["nats"].split()[0] and saved["redis_url"] == lines["redis"]
         assert saved["control_url"] == lines["control"].split()[0] and saved["log_dir"] == lines["logs"]
         assert saved["dashboard_url"].startswith(saved["control_url"] + "/dashboard#key=")
         assert oct((tmp_path / "cli.json").stat().st_mode & 0o777) == "0o600"  # it holds an admin key
@@ -131,7 +146,8 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
         port = free_port()
         second_gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--port", str(port),
                                            "--gateway-id", "gateway-second", "--nats-url", saved["nats_url"],
-                                           "--redis-url", saved["redis_url"], "--log-format", "json"], env=env,
+                                           "--redis-url", saved["redis_url"], "--log-format", "json"],
+                                          env=dict(env, **nats_env(tmp_path / "nats" / "admin.env")),
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_healthy(f"http://127.0.0.1:{port}", second_gateway)
         created = strata(env, "keys", "create", "--name", "team-a", "--json")
@@ -157,6 +173,23 @@ def test_strata_up_serves_and_stops(tmp_path, tiny_model_dir):
         assert key_id not in strata(env, "keys", "list").stdout
         again = strata(env, "keys", "revoke", key_id)
         assert again.returncode == 1 and "no API key" in again.stderr
+
+        # The store loses everything (FLUSHALL: as if Valkey restarted empty): `strata up` provisions
+        # its admin key again (create_key stamps `created`; a gateway or control writing back a key
+        # it knew does not), control writes the deployment back, and it serves on.
+        import redis
+
+        from services.gateway.auth import hash_key
+        from shared import keys
+        store = redis.Redis.from_url(lines["redis"])
+        store.flushall()
+        deadline = time.monotonic() + 15
+        while not (store.hexists(keys.api_key(hash_key(lines["api key"])), "created")
+                   and store.exists(keys.deployment("tiny-llama"))):
+            assert time.monotonic() < deadline, "the admin key or the deployment did not come back"
+            time.sleep(0.2)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 2
 
         # A second `strata up` on the same ports says so before it starts anything.
         gateway_port = int(saved["base_url"].rsplit(":", 1)[1].split("/")[0])

@@ -73,6 +73,23 @@ def test_malformed_payloads_raise_the_clear_error(payload, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("fields, needle", [
+    ({"priority": "ultra"}, "priority 'ultra'"),
+    ({"sampling": {"top_k": 0}}, "top_k must be -1 (off) or >= 1"),
+    ({"sampling": {"seed": -1}}, "seed must be >= 0"),
+    ({"sampling": {"max_tokens": 0}}, "max_tokens must be in [1,"),
+    ({"sampling": {"max_tokens": 2**31}}, "max_tokens must be in [1,"),
+    ({"sampling": {"logprobs": 21}}, "logprobs must be in [0, 20]"),
+])
+def test_out_of_range_values_are_refused_and_the_caller_can_be_told(fields, needle):
+    """Well-formed but out of range: an InvalidRequest that names the request and its reply_to,
+    so a receiver tells the caller even without a NATS reply subject."""
+    payload = {"v": 1, "request_id": "r9", "model": "m", "reply_to": "_INBOX.client.r9", "prompt": "p", **fields}
+    with pytest.raises(protocol.InvalidRequest) as info:
+        protocol.decode(GenerateRequest, pack(payload))
+    assert needle in str(info.value) and (info.value.request_id, info.value.reply_to) == ("r9", "_INBOX.client.r9")
+
+
 def test_oversized_payload_is_rejected_before_parsing():
     with pytest.raises(ProtocolError, match="exceeds"):
         protocol.decode(Cancel, b"\x00" * (protocol.MAX_PAYLOAD_BYTES + 1))

@@ -31,8 +31,9 @@ def main(argv=None) -> int:
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
     service = ControlService(ControlConfig(settings.nats_url, settings.redis_url, args.host, args.port,
-                                           args.control_id))
-    aio.run(telemetry.observed("control", args.control_id, settings.nats_url, aio.serve_until_signalled(service)))
+                                           args.control_id, nats_auth=settings.nats_auth()))
+    aio.run(telemetry.observed("control", args.control_id, settings.nats_url, aio.serve_until_signalled(service),
+                               settings.nats_auth()))
     return 0
 
 

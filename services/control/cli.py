@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+from shared.protocol import PRIORITIES
 from shared.settings import Settings
 
 
@@ -47,9 +48,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     name = served_model_name(model_dir)
+    # Our own NATS admits only the services' roles (credentials by environment); our own Valkey
+    # keeps its data (AOF) under STRATA_HOME/data, so desired state outlives a crash or a restart.
     stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
                        redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
-                       deployment=name, control=True, scaler=True, control_port=args.control_port, pools=pools)
+                       deployment=name, control=True, scaler=True, control_port=args.control_port, pools=pools,
+                       auth=True, data_dir=None if settings.nats_url and settings.redis_url else settings.home / "data")
     try:
         stack.start()
     except PortInUse as exc:
@@ -60,17 +64,21 @@ def cmd_up(args: argparse.Namespace) -> int:
                       "replicas": {"min": args.engines, "max": max(args.max_engines, args.engines)}})
         if args.engines:
             stack.wait_replicas(name, args.engines)
+            stack.wait_serving()  # "up" means a request is served, not only that ports are open
+        credentials = write_nats_credentials(stack.infra, settings.home)
         dashboard = f"{stack.control_url}/dashboard#key={stack.api_key}"
         saved = write_cli_config(stack.control_url, stack.api_key, settings.home, base_url=f"{stack.base_url}/v1",
                                  dashboard_url=dashboard, nats_url=stack.infra.nats_url,
-                                 redis_url=stack.infra.redis_url, log_dir=str(stack.log_dir))
+                                 nats_credentials=credentials, redis_url=stack.infra.redis_url,
+                                 log_dir=str(stack.log_dir))
         print(f"strata is up\n"
               f"  base url: {stack.base_url}/v1\n"
               f"  api key:  {stack.api_key}\n"
               f"  model:    {name} ({model_dir})\n"
               f"  engines:  {args.engines} (scaler: up to {max(args.max_engines, args.engines)})\n"
               f"  control:  {stack.control_url}  (dashboard: {dashboard})\n"
-              f"  nats:     {stack.infra.nats_url}\n"
+              f"  nats:     {stack.infra.nats_url}"
+              f"{f' (credentials: {credentials})' if credentials else ''}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
               f"  saved:    {saved} (strata status, logs, diagnose, keys ... read it)\n"
@@ -78,7 +86,11 @@ def cmd_up(args: argparse.Namespace) -> int:
               + (f"  pools:    {', '.join(p['name'] for p in pools)} (strata pools; strata pools set NAME --capacity N)\n"
                  if pools else "") +
               "Ctrl-C stops everything.", flush=True)
-        stop.wait()
+        while not stop.wait(2.0):
+            try:  # a store that lost its data gets the admin key back (shared.store.StoreEpoch)
+                stack.ensure_key()
+            except Exception as exc:
+                print(f"warning: cannot provision the admin key: {exc}", file=sys.stderr, flush=True)
         print("stopping", flush=True)
     finally:
         stack.stop()
@@ -113,6 +125,21 @@ def up_pools(spec: str | None) -> list[dict] | None:
     except PoolSpecError as exc:
         raise ValueError(f"{spec}: {exc}") from None
     return [{k: v for k, v in p.to_dict().items() if k != "generation"} for p in pools]
+def write_nats_credentials(infra, home) -> str:
+    """STRATA_NATS_USER / STRATA_NATS_PASSWORD for the admin (`strata logs`) and a bus client
+    (another team's service, docs/protocol.md), one env file each, readable only by this user;
+    returns their directory ("" without auth)."""
+    if not infra.users:
+        return ""
+    directory = home / "nats"
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    for role in ("admin", "client"):
+        path = directory / f"{role}.env"
+        path.touch(0o600)
+        path.chmod(0o600)
+        path.write_text("".join(f"{k}={v}\n" for k, v in infra.env_for(role).items()))
+    return str(directory)
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
@@ -177,6 +204,19 @@ def _saved(settings: Settings, name: str) -> tuple[str, str]:
     return saved, f" (from {cli_config_path(settings.home)})" if saved else ""
 
 
+def _saved_nats_auth(settings: Settings, role: str):
+    """The NATS credentials of `role` that `strata up` wrote (write_nats_credentials), if any."""
+    from services.control.client import read_cli_config
+
+    directory = read_cli_config(settings.home).get("nats_credentials", "")
+    try:
+        lines = (Path(directory) / f"{role}.env").read_text().splitlines() if directory else []
+    except OSError:
+        return None
+    environ = dict(line.split("=", 1) for line in lines if "=" in line)
+    return Settings.from_env(environ).nats_auth() if environ else None
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -187,6 +227,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not nats_url:
         print("--nats-url (or STRATA_NATS_URL) is required: no `strata up` saved one", file=sys.stderr)
         return 2
+    auth = settings.nats_auth()
+    if where and not (auth.user or auth.creds):  # `strata up`'s NATS admits its own users only
+        auth = _saved_nats_auth(settings, "admin") or auth
     rid = request_id(args.request) if args.request else None
     # One request's lines are in the past: look back as far as JetStream keeps them, unless told.
     since = args.since if args.since or not (rid or args.no_follow) else RETENTION_S
@@ -204,7 +247,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await follow(nats_url, emit, stop, service=args.service, request_id=rid, since=since,
-                     live=not args.no_follow)
+                     live=not args.no_follow, auth=auth)
 
     try:
         asyncio.run(run())
@@ -472,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="tenant name")
     p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: unlimited)")
     p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: unlimited)")
-    p.add_argument("--priority", default="standard", choices=["critical", "standard", "sheddable"])
+    p.add_argument("--priority", default="standard", choices=PRIORITIES)
     p.add_argument("--admin", action="store_true", help="may use control's API")
     p.add_argument("--redis-url", dest="settings_redis_url", default=None,
                    help="write the key straight into Redis instead of through control (the first admin key)")

@@ -45,7 +45,7 @@ def render(line: LogLine, as_json: bool) -> str:
 
 
 async def follow(nats_url: str, emit: Callable[[LogLine], None], stop: asyncio.Event, service: str | None = None,
-                 request_id: str | None = None, since: float = 0.0, live: bool = True) -> None:
+                 request_id: str | None = None, since: float = 0.0, live: bool = True, auth=None) -> None:
     """Call emit(line) for every matching line until `stop` is set. since > 0: start that many
     seconds back (needs JetStream on the server). live=False: only what was logged (from
     `since` back to now), then return."""
@@ -53,7 +53,10 @@ async def follow(nats_url: str, emit: Callable[[LogLine], None], stop: asyncio.E
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     subject = protocol.logs(service, "*") if service else protocol.LOGS_ALL
-    nc = await nats.connect(servers=[nats_url], name="strata-logs", connect_timeout=5, allow_reconnect=live)
+    from shared.bus import NatsAuth, servers
+
+    nc = await nats.connect(servers=servers(nats_url), name="strata-logs", connect_timeout=5, allow_reconnect=live,
+                            **(auth or NatsAuth()).connect_options())
 
     def on_data(data: bytes) -> None:
         try:

@@ -4,6 +4,10 @@ Every change is stored in Redis as a revision or a state change (services.contro
 announced on CONTROL_DEPLOYMENTS; the gateway, schedulers and scaler pick it up without a
 restart. The fleet view (heartbeats, scheduler stats, scaler decisions) feeds `strata status`
 and the dashboard.
+
+Control holds a copy of every deployment (shared.deployments.DeploymentWatcher). When the store
+loses them (Valkey restarted empty, a failover to a replica without the data), it writes its copy
+back and announces each again: the desired state stands until someone changes it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import structlog
@@ -26,12 +30,12 @@ from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyNotFound, KeyStore, create_key, hash_key, key_id, list_keys, revoke_key
 from services.gateway.openai_api import ApiError, error_response
 from shared import deployments, http, protocol, registry
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.pools import PoolSpecError
 from shared.protocol import (DeploymentChanged, GatewayStats, Heartbeat, KeyRevoked, PoolStatus, ScalerDecision,
                              SchedulerStats)
-from shared.store import connect_redis
+from shared.store import StoreEpoch, connect_redis
 
 log = get_logger()
 STATIC = Path(__file__).parent / "static"
@@ -45,6 +49,7 @@ class ControlConfig:
     port: int = 8081
     control_id: str = "control"
     sample_interval: float = 2.0
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 class ControlService:
@@ -58,6 +63,9 @@ class ControlService:
         self.registry = CollectorRegistry()
         self.changes = Counter("strata:control_deployment_changes", "Deployment changes by action.", ["action"],
                                registry=self.registry)
+        self.restores = Counter("strata:control_deployments_restored",
+                                "Deployments written back after the store lost them.", registry=self.registry)
+        self.deployments: deployments.DeploymentWatcher | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
         self.pools = PoolsApi(lambda: self.redis, self.fleet, lambda: self.bus, self._admin)
@@ -66,10 +74,12 @@ class ControlService:
 
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(control_id=self.cfg.control_id)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"control-{self.cfg.control_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"control-{self.cfg.control_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
+        self.deployments = deployments.DeploymentWatcher(self.redis)
+        await self.deployments.start(self.bus)
         self.analysis = CanaryDriver(self.redis, self.store, self._announce, self.registry)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
@@ -86,11 +96,15 @@ class ControlService:
         self.url = http.advertised_url(self.cfg.host, site._server.sockets[0].getsockname()[1])
         self._announcer = asyncio.create_task(registry.keep_announced(self.redis, "control", self.cfg.control_id,
                                                                       {"http_url": self.url}))
+        self._guards = [asyncio.create_task(self.keys.watch()), asyncio.create_task(self._restore_loop())]
         log.info("control ready", url=self.url)
 
     async def stop(self) -> None:
         self._sampler.cancel()
         self._announcer.cancel()
+        for task in self._guards:
+            task.cancel()
+        self.deployments.stop()
         await self.analysis.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -115,6 +129,28 @@ class ControlService:
 
     async def _on_pool_status(self, status: PoolStatus, _raw) -> None:
         self.fleet.on_pool_status(status)
+    async def _restore_loop(self, interval: float = 1.0) -> None:
+        """Write back (and announce) the deployments the store lost, as soon as it is seen."""
+        epoch = StoreEpoch(self.redis)
+        while True:
+            try:
+                lost = await epoch.lost()
+                missing = set(self.deployments.deployments) if lost else set(self.deployments.lost)
+                if lost:
+                    log.error("the store lost its data: restoring the deployments control holds",
+                              deployments=sorted(missing))
+                await self.restore(missing)
+            except Exception as exc:  # Redis away: the next round tells
+                log.debug("store check failed", error=str(exc))
+            await asyncio.sleep(interval)
+
+    async def restore(self, names) -> None:
+        for name in sorted(names):
+            deployment = self.deployments.deployments.get(name)
+            if deployment is not None and await self.store.restore(deployment, actor=self.cfg.control_id):
+                self.restores.inc()
+                log.warning("deployment restored", deployment=name, generation=deployment.state.generation)
+                await self._announce(name, "restore", deployment.state)
 
     async def _sample_loop(self) -> None:
         while True:
@@ -322,7 +358,7 @@ class ControlService:
         priority, admin = body.get("priority", "standard"), body.get("admin", False)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rpm, tpm)):
             raise ApiError(400, "rpm and tpm must be non-negative integers", "invalid_request_error", "rpm")
-        if priority not in ("critical", "standard", "sheddable") or not isinstance(admin, bool):
+        if priority not in protocol.PRIORITIES or not isinstance(admin, bool):
             raise ApiError(400, "priority must be critical, standard or sheddable; admin true or false",
                            "invalid_request_error", "priority")
         api_key = await create_key(self.redis, name, rpm=rpm, tpm=tpm, priority=priority, admin=admin)

@@ -16,6 +16,7 @@ at once, so a bad file is fixed in one go:
     #                     thresholds: {ttft_p90_ratio: 1.5, itl_p50_ratio: 1.5, error_rate_diff: 0.02}}}
     scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
     placement: {pools: [spot-east, gcp-west], prefer: cheapest, min_pools: 2}   # capacity pools
+    limits: {default_max_tokens: 1024}  # chat requests that give no max_tokens
 
 Pure: no I/O except reading the model's config.json to check its architecture.
 """
@@ -31,7 +32,7 @@ import yaml
 from services.control.canary import parse_analysis
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
-from shared.deployments import NAME_RE, DeploymentSpec, Replicas, Scaling, Slo, parse_placement
+from shared.deployments import NAME_RE, DeploymentSpec, Limits, Replicas, Scaling, Slo, parse_placement
 from services.scheduler.policy import POLICIES
 
 
@@ -178,6 +179,10 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
         errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
                                                  f"stable_window_s ({scaling.stable_window_s:g})"))
 
+    limits = _section(data.get("limits"), Limits, "limits", errors)
+    if limits.default_max_tokens < 1:
+        errors.append(("limits.default_max_tokens", "must be at least 1"))
+
     routing = data.get("routing", {"policy": "kv_aware"})
     if not isinstance(routing, dict) or set(routing) - {"policy"}:
         errors.append(("routing", "must be a mapping with one field, policy"))
@@ -192,4 +197,5 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     if errors:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
-                          slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement)
+                          slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement,
+                          limits=limits)

@@ -5,6 +5,7 @@
                                              routing_policy, generation, updated_at
     strata:deployment:<name>:revision:<n>    the spec of revision n (JSON), never rewritten
     strata:deployment:<name>:history         list of change events (JSON)
+    strata:deployment:<name>:deleted         tombstone of a deleted deployment (a day)
     strata:deployment:<name>:analysis        the canary analysis of the current canary (JSON)
 
 Every change is one optimistic transaction (WATCH on the state hash), so several control
@@ -21,9 +22,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from shared import keys
-from shared.deployments import DeploymentSpec, DeploymentState, history, read_spec, read_state
+from shared.deployments import Deployment, DeploymentSpec, DeploymentState, history, read_spec, read_state
 
 HISTORY_LIMIT = 200
+TOMBSTONE_TTL_S = 86400  # a deleted deployment's tombstone: long enough for every reader's resync
 
 
 class DeploymentError(Exception):
@@ -63,6 +65,7 @@ class DeploymentStore:
                         pipe.set(keys.deployment_revision(name, state.latest), new_spec.to_json())
                     pipe.hset(key, mapping=state.to_hash())
                     pipe.sadd(keys.DEPLOYMENTS, name)
+                    pipe.delete(keys.deployment_deleted(name))
                     pipe.rpush(keys.deployment_history(name), json.dumps(event))
                     pipe.ltrim(keys.deployment_history(name), -HISTORY_LIMIT, -1)
                     await pipe.execute()
@@ -181,7 +184,33 @@ class DeploymentStore:
             for rev in range(1, state.latest + 1):
                 pipe.delete(keys.deployment_revision(name, rev))
             pipe.srem(keys.DEPLOYMENTS, name)
+            # Readers drop their copy only for this: a deployment merely missing was lost, not deleted.
+            pipe.set(keys.deployment_deleted(name), state.generation, ex=TOMBSTONE_TTL_S)
             await pipe.execute()
+
+    async def restore(self, deployment: Deployment, actor: str = "") -> bool:
+        """Write back a deployment the store lost (its state and the specs of the revisions it
+        serves, as a reader held them), unless it is there or was deleted; True if restored."""
+        name, state = deployment.state.name, deployment.state
+        key = keys.deployment(name)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key, keys.deployment_deleted(name))
+                if await pipe.exists(key) or await pipe.exists(keys.deployment_deleted(name)):
+                    return False
+                event = {"at": time.time(), "action": "restore", "actor": actor, "stable": state.stable,
+                         "canary": state.canary, "canary_weight": state.canary_weight,
+                         "generation": state.generation}
+                pipe.multi()
+                for rev, spec in deployment.specs.items():
+                    pipe.set(keys.deployment_revision(name, rev), spec.to_json(), nx=True)
+                pipe.hset(key, mapping=state.to_hash())
+                pipe.sadd(keys.DEPLOYMENTS, name)
+                pipe.rpush(keys.deployment_history(name), json.dumps(event))
+                await pipe.execute()
+                return True
+            except WatchError:  # written meanwhile (another control restored it, or a change)
+                return False
 
     @staticmethod
     def _existing(name: str, current: DeploymentState | None) -> DeploymentState:

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                        nats_url=settings.nats_url, redis_url=settings.redis_url, http_host=args.http_host,
                        http_port=args.http_port, lease_ttl=args.lease_ttl, heartbeat_interval=args.heartbeat_interval,
                        drain_timeout=args.drain_timeout, engine_args=engine_args, region=settings.region,
-                       pool=args.pool)
+                       pool=args.pool, nats_auth=settings.nats_auth())
 
     exit_code = [0]
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         await worker.run()
         exit_code[0] = worker.exit_code
 
-    aio.run(telemetry.observed("engine", args.replica_id, settings.nats_url, run()))
+    aio.run(telemetry.observed("engine", args.replica_id, settings.nats_url, run(), settings.nats_auth()))
     return exit_code[0]
 
 

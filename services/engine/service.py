@@ -1,9 +1,11 @@
 """The engine worker: one engine on the bus.
 
 Wires NATS subscriptions to handlers: generate requests stream TokenChunks straight to the
-caller's reply subject; cancels abort; KV events and heartbeats go out; the Redis registry entry
-is kept alive by the heartbeat loop. SIGTERM drains: no new work, in-flight streams finish (up
-to a timeout), the entry is removed, exit 0.
+caller's reply subject; cancels abort; KV events and heartbeats go out. Heartbeats and the Redis
+registry lease come from a thread of their own (services.engine.heartbeats), from the moment the
+process is on the bus: `starting` while the model loads (so requests for it wait instead of being
+refused), then `ready`. SIGTERM drains: no new work, in-flight streams finish (up to a timeout),
+the entry is removed, exit 0.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from opentelemetry import context as otel_context
 from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
+from services.engine.heartbeats import HeartbeatThread
 from services.engine.llm_engine import LLMEngine
 from services.engine.metrics import EngineMetrics
 from services.engine.observe import engine_stamps, record_spans
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared import http, protocol, registry, telemetry
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
@@ -57,6 +60,7 @@ class WorkerConfig:
     revision: int = 0
     region: str = ""  # where it runs, and the capacity pool that started it (reported in heartbeats)
     pool: str = ""
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
@@ -90,8 +94,11 @@ class EngineWorker:
         self._tokens_per_s = 0.0
         self.exit_code = 0
         self._drain_aborted: set[str] = set()
+        self._withdrawn_ids: set[str] = set()  # cancelled by name for this replica: another serves the caller
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
         self._accepted_total = 0
+        self._latency: tuple[float | None, float | None] = (None, None)  # recent TTFT p90, ITL p50
+        self.heartbeats: HeartbeatThread | None = None
         self.ready_at = 0.0  # unix seconds
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -99,13 +106,22 @@ class EngineWorker:
         cfg = self.cfg
         structlog.contextvars.bind_contextvars(replica_id=cfg.replica_id)
         args = EngineArgs.from_kwargs(**cfg.engine_args)
+        self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}", auth=cfg.nats_auth)
+        self.redis = connect_redis(cfg.redis_url, f"engine-{cfg.replica_id}")
+        # On the bus as `starting` before the model loads: requests for it wait for it.
+        self.heartbeats = HeartbeatThread(f"engine-{cfg.replica_id}", cfg.nats_url, cfg.nats_auth, cfg.redis_url,
+                                          cfg.heartbeat_interval, cfg.lease_ttl, self.heartbeat, self._registry_fields)
+        self.heartbeats.start()
         self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args),
                                      on_kv_events=lambda seq, events: self._kv_queue.put_nowait((seq, events)),
                                      on_step=self.metrics.observe_step)
-        await self.engine.start()
+        try:
+            await self.engine.start()
+        except BaseException:  # no model: leave the fleet at once, not when the lease runs out
+            await asyncio.get_running_loop().run_in_executor(None, self.heartbeats.stop)
+            await registry.remove(self.redis, cfg.replica_id, cfg.deployment)
+            raise
         engine = self.engine.engine
-        self.bus = await Bus.connect(cfg.nats_url, f"engine-{cfg.replica_id}")
-        self.redis = connect_redis(cfg.redis_url, f"engine-{cfg.replica_id}")
         await self._start_http()
         await self.bus.subscribe(protocol.engine_generate(cfg.replica_id), GenerateRequest, self.on_generate)
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
@@ -151,6 +167,8 @@ class EngineWorker:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self.heartbeats is not None:  # before deregistering: no beat may register it again
+            await asyncio.get_running_loop().run_in_executor(None, self.heartbeats.stop)
         await self._flush_outbox()  # chunks the publisher had not sent yet
         try:
             await registry.remove(self.redis, self.cfg.replica_id, self.cfg.deployment)
@@ -180,11 +198,18 @@ class EngineWorker:
         if req.deadline is not None and req.deadline <= time.time():
             await self._refuse(req, raw, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the request arrived")
             return
+        if req.accept_by is not None and req.accept_by < time.time():  # its sender already tries another replica
+            await self._refuse(req, raw, ErrorCode.UNAVAILABLE, "the request arrived after its sender stopped waiting")
+            return
         early = self._early_cancels.pop(req.request_id, None)
         if early is not None and early[1] == req.tenant:
             await self._refuse(req, raw, ErrorCode.CANCELLED, "the request was cancelled before it arrived")
             return
         prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
+        error = await self._context_error(req)
+        if error is not None:
+            await self._refuse(req, raw, ErrorCode.BAD_REQUEST, error)
+            return
         sink = ChunkSink(self, req, arrival)
         try:
             resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
@@ -203,6 +228,22 @@ class EngineWorker:
         if raw.reply:
             await self.bus.publish(raw.reply, ack)
         await self.bus.publish(protocol.accepted(req.reply_to), ack)
+
+    async def _context_error(self, req: GenerateRequest) -> str | None:
+        """Why the prompt and max_tokens do not fit this model's context, if they do not (a text
+        prompt is tokenized for it; the engine tokenizes it again, as it always does)."""
+        engine = self.engine.engine
+        if req.prompt_token_ids is not None:
+            prompt_len = len(req.prompt_token_ids)
+        elif len(req.prompt) > 16_384:
+            prompt_len = len(await asyncio.get_running_loop().run_in_executor(None, engine.tokenizer.encode,
+                                                                              req.prompt))
+        else:
+            prompt_len = len(engine.tokenizer.encode(req.prompt))
+        if prompt_len + req.sampling.max_tokens <= engine.max_model_len:
+            return None
+        return (f"this model's maximum context length is {engine.max_model_len} tokens: a prompt of {prompt_len} "
+                f"and max_tokens {req.sampling.max_tokens} do not fit")
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the
@@ -269,6 +310,8 @@ class EngineWorker:
 
     # ---- cancel, KV events, heartbeats -------------------------------------------------------
     async def on_cancel(self, msg: Cancel, raw) -> None:
+        if msg.replica_id is not None and msg.replica_id != self.cfg.replica_id:
+            return  # it withdraws the request from another replica: this one may be its retry
         if msg.request_id not in self._tenants:
             # Not ours, or not here yet (the cancel overtook its generate message): remember it
             # for a while so a late generate is refused instead of running for nobody.
@@ -278,8 +321,23 @@ class EngineWorker:
         if owner is not None and msg.tenant != owner:
             log.warning("cancel refused: tenant mismatch", request_id=msg.request_id)
             return
-        log.info("cancel", request_id=msg.request_id)
+        log.info("cancel", request_id=msg.request_id, withdrawn=msg.replica_id is not None)
+        if msg.replica_id is not None:  # taken after its scheduler gave up on it: the caller is served elsewhere
+            self._withdrawn_ids.add(msg.request_id)
         self.engine.abort(msg.request_id)
+
+    def _withdrawn(self, req: GenerateRequest, seq_no: int) -> None:
+        """This replica's run of a request is off (its scheduler gave up waiting for it and gave it
+        to another): the caller is told on `<reply_to>.accepted`, so it follows the other run; a run
+        that had already streamed also ends in band as `unavailable`, and the caller continues it
+        from what it got. Not an error of this replica's: counted as an abort."""
+        self.metrics.finished("abort")
+        self._emit(protocol.accepted(req.reply_to), GenerateAck(
+            req.request_id, self.cfg.replica_id, False, ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn")))
+        if seq_no:
+            self._emit(req.reply_to, TokenChunk(
+                request_id=req.request_id, seq=seq_no, finish_reason="error", replica_id=self.cfg.replica_id,
+                error=ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn by its scheduler: continue elsewhere")))
 
     async def _publish_kv_events(self) -> None:
         """In order, one batch per engine step that changed the cache; the first batch of this
@@ -302,6 +360,12 @@ class EngineWorker:
                                                          block_hashes=sorted(hashes), epoch=self.epoch))
 
     def heartbeat(self, stats: dict | None = None) -> Heartbeat:
+        """The replica's heartbeat now. Called on the heartbeat thread too: it reads counters as
+        they are and waits on nothing."""
+        if self.engine is None or self.engine.engine is None:  # the model is loading
+            return Heartbeat(replica_id=self.cfg.replica_id, model=self.cfg.deployment,
+                             deployment=self.cfg.deployment, state=self.state, timestamp=time.time(),
+                             revision=self.cfg.revision)
         stats = stats or self.engine.engine.stats()
         queries = stats["prefix_cache_queries"]
         return Heartbeat(
@@ -314,9 +378,13 @@ class EngineWorker:
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
             tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
             max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,
-            timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self.metrics.recent_ttft.quantile(0.9),
-            itl_p50_s=self.metrics.recent_itl.quantile(0.5), requests_finished=self.metrics.finished_total,
-            requests_failed=self.metrics.failed_total, region=self.cfg.region, pool=self.cfg.pool)
+            timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self._latency[0],
+            itl_p50_s=self._latency[1], requests_finished=self.metrics.finished_total,
+            requests_failed=self.metrics.failed_total, steps_total=stats["num_steps"], region=self.cfg.region,
+            pool=self.cfg.pool)
+
+    def _registry_fields(self) -> dict:
+        return {"http_url": self.http_url, "host": socket.gethostname(), "pid": os.getpid()}
 
     def _update_rate(self) -> None:
         now, tokens = time.monotonic(), self.engine.tokens_generated
@@ -332,18 +400,26 @@ class EngineWorker:
             self._last_heartbeat = now
             self._spawn(self.bus.publish(protocol.heartbeat(self.cfg.replica_id), self.heartbeat()))
 
-    async def _heartbeat_once(self) -> None:
+    def _refresh_figures(self) -> None:
+        """What the heartbeat thread reports but only this loop can compute: the token rate, the
+        recent latencies (their windows are written on this loop), the engine gauges."""
         self._update_rate()
-        stats = self.engine.engine.stats()
-        hb = self.heartbeat(stats)
-        self.metrics.update_engine(stats)
+        self._latency = (self.metrics.recent_ttft.quantile(0.9), self.metrics.recent_itl.quantile(0.5))
+        self.metrics.update_engine(self.engine.engine.stats())
+
+    async def _heartbeat_once(self) -> None:
+        """A heartbeat now, on this loop's connections (a change of state must not wait for the
+        heartbeat thread's next beat)."""
+        self._refresh_figures()
+        hb = self.heartbeat()
         self._last_heartbeat = time.monotonic()
         await self.bus.publish(protocol.heartbeat(self.cfg.replica_id), hb)
-        fields = {k: v for k, v in hb.to_dict().items()}
-        fields.update(http_url=self.http_url, host=socket.gethostname(), pid=os.getpid())
-        await registry.refresh(self.redis, self.cfg.replica_id, self.cfg.deployment, fields, self.cfg.lease_ttl)
+        await registry.refresh(self.redis, self.cfg.replica_id, self.cfg.deployment,
+                               hb.to_dict() | self._registry_fields(), self.cfg.lease_ttl)
 
     async def _heartbeat_loop(self) -> None:
+        """The periodic beats come from the heartbeat thread; this keeps their figures fresh and
+        notices a dead engine loop."""
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
             cutoff = time.monotonic() - 30.0
@@ -356,10 +432,7 @@ class EngineWorker:
                 self.state = "failed"
                 self.exit_code = 1
                 self._stopping.set()
-            try:
-                await self._heartbeat_once()
-            except Exception as exc:  # NATS or Redis away: keep trying, the lease tells the truth
-                log.warning("heartbeat failed", error=str(exc))
+            self._refresh_figures()
 
     # ---- http -------------------------------------------------------------------------------
     async def _http_metrics(self, request: web.Request) -> web.Response:
@@ -396,6 +469,12 @@ class ChunkSink:
 
     def deliver(self, out: RequestOutput) -> None:
         w, req = self.worker, self.req
+        if req.request_id in w._withdrawn_ids:  # another replica streams it: the caller follows that one
+            if out.finished:
+                w._withdrawn_ids.discard(req.request_id)
+                self._observe(out, ErrorCode.CANCELLED)
+                self._end(lambda: w._withdrawn(req, self.seq_no))
+            return
         try:
             if out.finished and self.expired:
                 self._observe(out, ErrorCode.DEADLINE_EXCEEDED)

@@ -9,6 +9,7 @@ import sys
 
 from services.gateway.service import GatewayConfig, GatewayService
 from shared import aio, telemetry
+from shared.http_limits import HttpLimits
 from shared.logging import configure_logging
 from shared.settings import Settings
 
@@ -22,7 +23,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gateway-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--no-auth", action="store_true", help="development only: accept requests without a key")
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="default deadline of a request, seconds (headers Strata-Timeout / Strata-Deadline shorten it)")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="requests served at once; past it new ones get 503 with Retry-After before any work")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="max_tokens of chat requests that give none (a deployment's limits.default_max_tokens wins)")
+    limits = p.add_argument_group("HTTP limits")
+    defaults = HttpLimits()
+    limits.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+                        help="seconds for a request's line and headers, from its first byte")
+    limits.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
+                        help="seconds for a request's body (408 past it)")
+    limits.add_argument("--write-timeout", type=float, default=defaults.write_timeout,
+                        help="seconds a client may stop reading its stream before it is dropped")
+    limits.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
+                        help="seconds an idle keep-alive connection stays open")
+    limits.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help="open connections; more are answered 503 and closed")
     Settings.add_arguments(p)
     return p
 
@@ -36,11 +54,19 @@ def main(argv=None) -> int:
         # Models: the directories given here, plus every deployment control stores.
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
+    if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1:
+        print("--max-inflight, --default-max-tokens and --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    http = HttpLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                      write_timeout=args.write_timeout, keepalive_timeout=args.keepalive_timeout,
+                      max_connections=args.max_connections)
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
-                        args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region)
+                        args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region,
+                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens, http=http,
+                        nats_auth=settings.nats_auth())
 
     aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
-                               aio.serve_until_signalled(GatewayService(cfg))))
+                               aio.serve_until_signalled(GatewayService(cfg)), settings.nats_auth()))
     return 0
 
 

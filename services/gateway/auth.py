@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -11,8 +13,13 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.logging import get_logger
+from shared.store import StoreEpoch
+
+log = get_logger()
 
 KEY_PREFIX = "sk-strata-"
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750's b64token: what a key can be
 
 
 def hash_key(api_key: str) -> str:
@@ -33,12 +40,23 @@ async def create_key(redis: aioredis.Redis, name: str, rpm: int = 0, tpm: int = 
                      admin: bool = False, api_key: str | None = None) -> str:
     """Store a key (a new random one unless given) and return it; only its hash is kept."""
     api_key = api_key or KEY_PREFIX + secrets.token_urlsafe(24)
-    await redis.hset(keys.api_key(hash_key(api_key)), mapping={
-        "tenant": name, "rpm": rpm, "tpm": tpm, "priority": priority, "admin": int(admin),
-        "created": int(time.time())})
+    if not BEARER_TOKEN.fullmatch(api_key):
+        raise ValueError("an API key is letters, digits and -._~+/ (RFC 6750's b64token)")
+    record = ApiKey(hash_key(api_key), name, rpm, tpm, priority, admin)
+    await redis.hset(keys.api_key(record.key_hash), mapping=_fields(record) | {"created": int(time.time())})
     return api_key
 
 
+def _fields(key: ApiKey) -> dict:
+    return {"tenant": key.tenant, "rpm": key.rpm, "tpm": key.tpm, "priority": key.priority, "admin": int(key.admin)}
+
+
+def _record(key_hash: str, raw: dict) -> ApiKey | None:
+    if not raw:
+        return None
+    f = {k.decode(): v.decode() for k, v in raw.items()}
+    return ApiKey(key_hash, f["tenant"], int(f.get("rpm", 0)), int(f.get("tpm", 0)), f.get("priority", "standard"),
+                  f.get("admin", "0") == "1")
 def key_id(key_hash: str) -> str:
     """The short, non-secret name of a key: the start of its hash (`strata keys list` shows it)."""
     return key_hash[:12]
@@ -79,13 +97,24 @@ async def revoke_key(redis: aioredis.Redis, which: str) -> str:
 
 
 class KeyStore:
-    """Looks keys up in Redis with a short local cache, and enforces the per-minute limits."""
+    """Looks keys up in Redis with a short local cache, and enforces the per-minute limits.
+
+    It remembers the keys it found valid (as stored: hash and record). When one of them is
+    missing from the store, the store is asked whether it lost its data (shared.store.StoreEpoch):
+    if so, every remembered key is written back and served on (an empty store is an outage, not a
+    mass revocation); if not, the key was revoked and is refused.
+    """
 
     def __init__(self, redis: aioredis.Redis, cache_ttl: float = 10.0, cache_size: int = 10_000):
         self.redis = redis
         self.cache_ttl = cache_ttl
         self.cache_size = cache_size  # bounded: random bearer tokens must not grow memory
         self._cache: OrderedDict[str, tuple[ApiKey | None, float]] = OrderedDict()
+        self._valid: OrderedDict[str, ApiKey] = OrderedDict()  # keys found valid, most recent last
+        self.epoch = StoreEpoch(redis)
+        self._recovery = asyncio.Lock()
+        self.restored = 0  # keys written back after the store lost its data
+        self.losses = 0  # times this service found the store had lost its data
 
     async def authenticate(self, authorization: str) -> ApiKey:
         """The key of an `Authorization: Bearer <key>` header, or an OpenAI-shaped ApiError:
@@ -95,8 +124,11 @@ class KeyStore:
         if not authorization.startswith("Bearer ") or not authorization[7:].strip():
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
                            None, "invalid_api_key")
+        token = authorization[7:].strip()
+        if not BEARER_TOKEN.fullmatch(token):  # bytes no key has (non-ASCII, controls): unknown, not an outage
+            raise ApiError(401, "invalid API key", "authentication_error", None, "invalid_api_key")
         try:
-            key = await self.lookup(authorization[7:].strip())
+            key = await self.lookup(token)
         except Exception:
             raise ApiError(503, "key store unavailable, try again", "overloaded_error", None, "unavailable",
                            retry_after=1.0) from None
@@ -116,20 +148,61 @@ class KeyStore:
             if hit is not None:  # Redis away: trust what we knew a moment ago
                 return hit[0]
             raise
-        record = None
-        if raw:
-            f = {k.decode(): v.decode() for k, v in raw.items()}
-            record = ApiKey(h, f["tenant"], int(f.get("rpm", 0)), int(f.get("tpm", 0)),
-                            f.get("priority", "standard"), f.get("admin", "0") == "1")
+        record = _record(h, raw)
+        if record is None and h in self._valid:
+            record = await self._recover(h)
+        if record is not None:
+            self._valid[h] = record
+            self._valid.move_to_end(h)
+            while len(self._valid) > self.cache_size:
+                self._valid.popitem(last=False)
         self._cache[h] = (record, now + self.cache_ttl)
         self._cache.move_to_end(h)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return record
 
+    async def _recover(self, key_hash: str) -> ApiKey | None:
+        """A key found valid before is gone: restored if the store lost its data, else revoked."""
+        async with self._recovery:
+            if await self.epoch.lost():
+                await self._restore_known()
+            record = _record(key_hash, await self.redis.hgetall(keys.api_key(key_hash)))
+        if record is None:
+            self._valid.pop(key_hash, None)
+        return record
+
+    async def check_store(self) -> bool:
+        """Run every second or so: True when the store lost its data (the known keys are then
+        written back). The first call learns the store's epoch."""
+        async with self._recovery:
+            if not await self.epoch.lost():
+                return False
+            await self._restore_known()
+            return True
+
+    async def watch(self, interval: float = 1.0) -> None:
+        """check_store() every `interval` seconds until cancelled (Redis trouble only delays it)."""
+        while True:
+            try:
+                await self.check_store()
+            except Exception as exc:
+                log.debug("key store check failed", error=str(exc))
+            await asyncio.sleep(interval)
+
+    async def _restore_known(self) -> None:
+        self.losses += 1
+        log.error("the key store lost its data: restoring the keys this service knew", keys=len(self._valid))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for record in self._valid.values():
+                pipe.hset(keys.api_key(record.key_hash), mapping=_fields(record))
+            await pipe.execute()
+        self.restored += len(self._valid)
     def forget(self, key_hash: str) -> None:
-        """Drop a cached lookup (the key was revoked): the next request reads Redis."""
+        """Drop a cached lookup (the key was revoked): the next request reads Redis, and a store
+        that loses its data does not get the key back from us."""
         self._cache.pop(key_hash, None)
+        self._valid.pop(key_hash, None)
 
     async def charge(self, key: ApiKey, tokens: int) -> tuple[str, float] | None:
         """Count one request and `tokens` against this minute's window. Returns (what, seconds

@@ -10,6 +10,13 @@ original prompt followed by every completion token delivered so far, the same sa
 max_tokens reduced by them, and `resume` set, so the engine continues exactly where the client
 is (greedy and seeded output are the same as without the fault). Chunks of earlier legs are
 dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error.
+
+A replica is presumed dead only on evidence that holds under overload: its heartbeats (sent from
+a thread that never waits on a step) stopped AND the stream itself got nothing for as long; or
+its heartbeats go on while its step count stands still and the stream gets nothing (a stalled
+engine). While this gateway's own loop runs late, or heartbeats wait unread in its subscription,
+silence proves nothing and no verdict is given. Migrations are rate limited (a token bucket), so a
+burst of them cannot re-run prompts all at once on replicas that are already the busiest.
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ log = get_logger()
 
 MAX_MIGRATIONS = 2
 REPLICA_DEAD_AFTER = 3.0  # seconds without a heartbeat (three missed beats) before a replica is presumed dead
+REPLICA_STALLED_AFTER = 20.0  # seconds its heartbeats show work but no engine step
+LOOP_LAG_TOLERANCE = 1.0  # the watcher woke this much later than asked: this loop is the slow one
+MIGRATIONS_PER_S = 5.0  # the migration token bucket: refill rate and burst
+MIGRATION_BURST = 20
 # After a NATS outage, a stream that gets no chunk for this long has lost its tail (its replica
 # may have finished it while nobody could hear): it resumes from what was delivered.
 STALLED_AFTER_RECONNECT = 2.0
@@ -57,6 +68,37 @@ class Flow:
     migrations: int = 0
     migrating: bool = False
     closed: bool = False  # the request ended (the client left): a leg submitted now must be cancelled
+    last_progress: float = field(default_factory=time.monotonic)  # a chunk or an acceptance of its leg
+
+
+@dataclass
+class ReplicaLiveness:
+    """What the heartbeats of one replica showed: when it last beat, and when its engine last
+    took a step (or had nothing to do)."""
+
+    seen: float
+    steps: int = 0
+    stepped: float = 0.0
+
+    def beat(self, hb: Heartbeat, now: float) -> None:
+        if hb.steps_total != self.steps or not (hb.running or hb.waiting):
+            self.stepped = now
+        self.seen, self.steps = now, hb.steps_total
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens = float(burst)
+        self.at = time.monotonic()
+
+    def delay(self) -> float:
+        """Take a token; seconds to wait for it (0: one was there)."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
 class Migrator:
@@ -65,8 +107,10 @@ class Migrator:
     def __init__(self, gateway):
         self.gw = gateway
         self.flows: dict[str, Flow] = {}
-        self.last_seen: dict[str, float] = {}  # replica id -> monotonic time of its last heartbeat
-        self._blind_until = 0.0  # after a NATS outage, silence says nothing about the replicas
+        self.replicas: dict[str, ReplicaLiveness] = {}  # replica id -> what its heartbeats showed
+        self._blind_until = 0.0  # after a NATS outage or a late loop, silence says nothing about the replicas
+        self._heartbeats = None  # the heartbeat subscription (its backlog: heartbeats not read yet)
+        self.bucket = TokenBucket(MIGRATIONS_PER_S, MIGRATION_BURST)
         self._reconnects = 0
         self._suspects: dict[str, tuple[str, int]] = {}  # request id -> (leg, seq) when the bus came back
         self._suspects_due = 0.0
@@ -75,10 +119,13 @@ class Migrator:
         self.migrations = Counter("strata:gateway_migrations",
                                   "Streams moved to another replica (migrated) or ended because they could not be "
                                   "(failed), by reason.", ["outcome", "reason"], registry=gateway.metrics.registry)
+        self.verdicts = Counter("strata:gateway_replica_dead_verdicts",
+                                "Replicas this gateway presumed dead or stalled (each moves the streams it held), by "
+                                "reason.", ["reason"], registry=gateway.metrics.registry)
 
     async def start(self) -> None:
         bus = self.gw.bus
-        await bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        self._heartbeats = await bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         self._watch = asyncio.create_task(self._watch_replicas())
 
     def stop(self) -> None:
@@ -113,6 +160,8 @@ class Migrator:
             return chunk
         if chunk.request_id != flow.leg_id or chunk.seq < flow.expected_seq:
             return None
+        if flow.replica is not None and chunk.replica_id is not None and chunk.replica_id != flow.replica:
+            return None  # a late run of this leg on a replica its scheduler withdrew it from
         if chunk.seq > flow.expected_seq:
             self._spawn_migrate(flow, "lost_chunk", f"stream message {flow.expected_seq} from replica "
                                                    f"{chunk.replica_id} was lost")
@@ -121,6 +170,7 @@ class Migrator:
             self._spawn_migrate(flow, "replica_left", chunk.error.message)  # the replica drained away from it
             return None
         flow.expected_seq += 1
+        flow.last_progress = time.monotonic()
         flow.replica = chunk.replica_id or flow.replica
         self.gw._held_by.pop(flow.gen.request_id, None)  # an engine has it (its routing notice may be lost)
         flow.token_ids += chunk.token_ids
@@ -129,41 +179,75 @@ class Migrator:
 
     # ---- replicas ---------------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
-        self.last_seen[hb.replica_id] = time.monotonic()
+        now = time.monotonic()
+        replica = self.replicas.get(hb.replica_id)
+        if replica is None:
+            replica = self.replicas[hb.replica_id] = ReplicaLiveness(now, hb.steps_total, now)
+        replica.beat(hb, now)
 
-    def on_accepted(self, request_id: str, data: bytes) -> None:
-        """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to watch."""
+    def on_accepted(self, request_id: str, data: bytes) -> GenerateAck | None:
+        """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to
+        watch, and the only one whose chunks count. A notice that it is withdrawn (its scheduler
+        gave the leg to another replica) frees the leg for that other one."""
         flow = self.flows.get(request_id)
         try:
             ack = protocol.decode(GenerateAck, data)
         except protocol.ProtocolError as exc:
             log.warning("malformed acceptance notice", error=str(exc))
-            return
-        if flow is None or ack.request_id != flow.leg_id or not ack.accepted:
-            return
-        flow.replica = ack.replica_id
-        self.last_seen.setdefault(ack.replica_id, time.monotonic())
+            return None
+        if flow is None or ack.request_id != flow.leg_id:
+            return ack
+        if not ack.accepted:
+            if flow.replica == ack.replica_id:
+                flow.replica = None
+            return ack
+        if flow.replica is not None and flow.replica != ack.replica_id:  # a withdrawn run, taken late
+            log.info("late acceptance ignored", request_id=request_id, replica_id=ack.replica_id, serving=flow.replica)
+            return ack
+        now = time.monotonic()
+        flow.replica, flow.last_progress = ack.replica_id, now
+        self.replicas.setdefault(ack.replica_id, ReplicaLiveness(now, 0, now))
+        return ack
 
     async def _watch_replicas(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             now = time.monotonic()
-            if not self.gw.bus.nc.is_connected:
-                self._blind_until = now + REPLICA_DEAD_AFTER
+            late = now - last > WATCH_INTERVAL + LOOP_LAG_TOLERANCE
+            backlog = self._heartbeats is not None and self._heartbeats.pending_msgs > 0
+            last = now
+            if not self.gw.bus.nc.is_connected or late or backlog:
+                self._blind_until = max(self._blind_until, now + (REPLICA_DEAD_AFTER if not backlog else 0.0))
             self._check_stalled(now)
-            if now < self._blind_until:
+            if now < self._blind_until or backlog:
                 continue
-            for flow in list(self.flows.values()):
-                replica = flow.replica
-                if replica is None or flow.migrating:
-                    continue
-                seen = self.last_seen.setdefault(replica, now)  # not heard yet: from now on
-                if now - seen > REPLICA_DEAD_AFTER:
-                    self._spawn_migrate(flow, "replica_silent",
-                                        f"replica {replica} sent no heartbeat for {now - seen:.1f}s")
-            for replica, seen in list(self.last_seen.items()):
-                if now - seen > 300:  # long gone: forget it
-                    del self.last_seen[replica]
+            self.judge(now)
+            for replica_id, replica in list(self.replicas.items()):
+                if now - replica.seen > 300:  # long gone: forget it
+                    del self.replicas[replica_id]
+
+    def judge(self, now: float) -> None:
+        """Move the streams of replicas that are dead or stalled by the evidence (module doc)."""
+        verdicts: dict[str, tuple[str, str]] = {}
+        for flow in list(self.flows.values()):
+            replica_id = flow.replica
+            if replica_id is None or flow.migrating:
+                continue
+            replica = self.replicas.setdefault(replica_id, ReplicaLiveness(now, 0, now))  # not heard yet: from now
+            quiet = now - flow.last_progress
+            if now - replica.seen > REPLICA_DEAD_AFTER and quiet > REPLICA_DEAD_AFTER:
+                verdict = ("replica_silent", f"replica {replica_id} sent no heartbeat for {now - replica.seen:.1f}s")
+            elif now - replica.stepped > REPLICA_STALLED_AFTER and quiet > REPLICA_STALLED_AFTER:
+                verdict = ("replica_stalled", f"replica {replica_id} took no engine step for "
+                                              f"{now - replica.stepped:.1f}s while it held work")
+            else:
+                continue
+            if replica_id not in verdicts:
+                verdicts[replica_id] = verdict
+                self.verdicts.labels(verdict[0]).inc()
+                log.warning("replica presumed lost", replica_id=replica_id, reason=verdict[1])
+            self._spawn_migrate(flow, *verdicts[replica_id])
 
     def _check_stalled(self, now: float) -> None:
         """Chunks published while the bus was away are lost for good: a stream that was on a
@@ -200,6 +284,15 @@ class Migrator:
                                   f"{flow.migrations} times, the most it may")
             if remaining < 1 or (gen.deadline is not None and gen.deadline <= time.time()):
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; nothing is left to continue")
+            wait = self.bucket.delay()  # a burst of migrations waits its turn
+            if gen.deadline is not None and time.time() + wait >= gen.deadline:
+                return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; no time is left to continue "
+                                  f"(migrations are rate limited)")
+            if wait > 0:
+                self.migrations.labels("delayed", reason).inc()
+                await asyncio.sleep(wait)
+            if flow.closed:
+                return
             flow.migrations += 1
             leg = dataclasses.replace(
                 gen, request_id=f"{rid}-m{flow.migrations}", prompt_token_ids=gen.prompt_token_ids + flow.token_ids,
@@ -209,6 +302,7 @@ class Migrator:
             log.warning("stream migrating", request_id=rid, leg=leg.request_id, replica_id=flow.replica,
                         delivered_tokens=len(flow.token_ids), reason=detail)
             flow.leg_id, flow.replica, flow.expected_seq = leg.request_id, None, 0
+            flow.last_progress = time.monotonic()
             try:
                 scheduler = await self.gw._submit(leg)
             except ApiError as exc:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.layers import by_component, layer_timings
-from shared.protocol import SamplingSpec, TokenChunk, Usage
+from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
 
 
 class ApiError(Exception):
@@ -37,16 +38,49 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, "invalid_request_error", param, code)
 
 
-# Status for each engine / scheduler error code that reaches the gateway.
+# Status for each engine / scheduler error code that reaches the gateway. `cancelled` reaching a
+# client that is still connected means someone else withdrew its request (499 is only for clients
+# that left, and they are not answered at all): it may be retried.
 ERROR_STATUS = {"bad_request": 400, "not_found": 404, "overloaded": 503, "unavailable": 503,
-                "deadline_exceeded": 504, "cancelled": 499, "internal": 500}
+                "deadline_exceeded": 504, "cancelled": 503, "internal": 500}
 
 
-def from_engine_error(code: str, message: str) -> ApiError:
+def from_engine_error(code: str, message: str, retry_after: float | None = None) -> ApiError:
     status = ERROR_STATUS.get(code, 500)
     type_ = {400: "invalid_request_error", 404: "invalid_request_error", 503: "overloaded_error",
              504: "timeout_error"}.get(status, "server_error")
-    return ApiError(status, message, type_, None, code, retry_after=1.0 if status == 503 else None)
+    return ApiError(status, message, type_, None, code,
+                    retry_after=(retry_after or 1.0) if status == 503 else None)
+
+
+HEADER_TIMEOUT = "Strata-Timeout"  # seconds from arrival
+MAX_TIMEOUT_S = 86400.0
+
+
+def request_deadline(headers, arrival: float, default_timeout: float) -> float:
+    """The request's deadline (unix seconds): the gateway's default timeout, shortened by the
+    headers Strata-Timeout (seconds) and Strata-Deadline (unix seconds), whichever is sooner."""
+    deadline = arrival + default_timeout
+    if HEADER_TIMEOUT in headers:
+        try:
+            timeout = float(headers[HEADER_TIMEOUT])
+        except ValueError:
+            timeout = math.nan
+        if not 0 < timeout <= MAX_TIMEOUT_S:  # nan fails too
+            raise bad(f"header {HEADER_TIMEOUT} must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+        deadline = min(deadline, arrival + timeout)
+    if HEADER_DEADLINE in headers:
+        try:
+            at = float(headers[HEADER_DEADLINE])
+        except ValueError:
+            at = math.nan
+        if not math.isfinite(at) or at > arrival + MAX_TIMEOUT_S:
+            raise bad(f"header {HEADER_DEADLINE} must be a time (unix seconds) within a day")
+        if at <= arrival:
+            raise ApiError(504, f"header {HEADER_DEADLINE} is already past", "timeout_error", None,
+                           "deadline_exceeded")
+        deadline = min(deadline, at)
+    return deadline
 
 
 @dataclass
@@ -111,7 +145,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
                                                  for t in stop_ids):
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    seed = _number(body, "seed", None, integer=True)
+    seed = _number(body, "seed", None, 0, INT64[1], integer=True)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be a boolean", "ignore_eos")

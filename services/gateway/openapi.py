@@ -9,25 +9,42 @@ _ERROR = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+
 _SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+                   "description": "default: the deployment's default_max_tokens (and never past the context)"},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": -1, "description": "-1 = off (extension)"},
+    "top_k": {"oneOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": INT32_MAX}],
+              "description": "-1 = off (extension)"},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": {"type": "integer"},
+    "seed": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+    "stop_token_ids": {"type": "array", "items": TOKEN_ID},
     "ignore_eos": {"type": "boolean"},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
     "n": {"type": "integer", "enum": [1]},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "description": "only with stream: true"},
     "user": {"type": "string"},
 }
+_MODEL = {"type": "string", "minLength": 1}
+
+
+def _only_with(field: str, condition: dict) -> dict:
+    """`field` may be present only when `condition` (properties, with their required names) holds."""
+    return {"anyOf": [{"not": {"required": [field]}}, condition]}
+
+
+_STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
+                                                            "required": ["stream"]})
 
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
@@ -37,15 +54,26 @@ _USAGE = {"type": "object", "properties": {
 
 def _errors(*statuses: int) -> dict:
     descriptions = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model",
-                    413: "Request body too large", 429: "Rate limited (see retry-after)",
-                    503: "Overloaded or no replica (see retry-after)", 504: "Timed out"}
+                    408: "The request body did not arrive in time", 413: "Request body too large",
+                    429: "Rate limited (see retry-after)",
+                    503: "Overloaded: no capacity before the deadline (see retry-after)", 504: "Timed out"}
     return {str(s): {"description": descriptions[s],
                      "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             for s in statuses}
 
 
+_DEADLINE_HEADERS = [
+    {"name": "Strata-Timeout", "in": "header", "required": False,
+     "description": "seconds the request may take (default: the gateway's --request-timeout)",
+     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}},
+    {"name": "Strata-Deadline", "in": "header", "required": False,
+     "description": "unix seconds by which the request must be answered (504 if already past)",
+     "schema": {"type": "number"}},
+]
+
+
 def openapi_spec(server_url: str = "") -> dict:
-    generation_errors = _errors(400, 401, 404, 413, 429, 503, 504)
+    generation_errors = _errors(400, 401, 404, 408, 413, 429, 503, 504)
     return {
         "openapi": "3.1.0",
         "info": {"title": "Strata gateway", "version": "1", "description": "OpenAI-compatible inference API."},
@@ -58,6 +86,7 @@ def openapi_spec(server_url: str = "") -> dict:
                 **_errors(401)}}},
             "/v1/completions": {"post": {
                 "operationId": "createCompletion",
+                "parameters": _DEADLINE_HEADERS,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "$ref": "#/components/schemas/CompletionRequest"}}}},
                 "responses": {"200": {"description": "A completion, or an SSE stream when stream is true",
@@ -66,6 +95,7 @@ def openapi_spec(server_url: str = "") -> dict:
                               **generation_errors}}},
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion",
+                "parameters": _DEADLINE_HEADERS,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "$ref": "#/components/schemas/ChatCompletionRequest"}}}},
                 "responses": {"200": {"description": "A chat completion, or an SSE stream when stream is true",
@@ -82,24 +112,38 @@ def openapi_spec(server_url: str = "") -> dict:
             "schemas": {
                 "Error": _ERROR,
                 "Usage": _USAGE,
-                "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-                    "model": {"type": "string"},
-                    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
-                    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                    **_SAMPLING}},
-                "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-                    "model": {"type": "string"},
-                    "messages": {"type": "array", "minItems": 1, "items": {
-                        "type": "object", "required": ["role", "content"], "properties": {
-                            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                                "type": "object", "required": ["type", "text"],
-                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
-                    "max_completion_tokens": {"type": "integer", "minimum": 1},
-                    "logprobs": {"type": "boolean"},
-                    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                    **_SAMPLING}},
+                "CompletionRequest": {
+                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM],
+                    "properties": {
+                        "model": _MODEL,
+                        "prompt": {"oneOf": [
+                            {"type": "string", "minLength": 1},
+                            {"type": "array", "items": TOKEN_ID, "minItems": 1},
+                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"oneOf": [
+                                {"type": "string", "minLength": 1},
+                                {"type": "array", "items": TOKEN_ID, "minItems": 1}]},
+                             "description": "a batch of one prompt"}]},
+                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "echo": {"const": False, "description": "not supported: only false"},
+                        "suffix": {"enum": [None, ""], "description": "not supported"},
+                        **_SAMPLING}},
+                "ChatCompletionRequest": {
+                    "type": "object", "required": ["model", "messages"],
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM,
+                              _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
+                                                          "required": ["logprobs"]})],
+                    "properties": {
+                        "model": _MODEL,
+                        "messages": {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["role"], "properties": {
+                                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                                "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+                                    "type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
+                        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
+                        "logprobs": {"type": "boolean"},
+                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        **_SAMPLING}},
             },
         },
     }

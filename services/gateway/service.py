@@ -26,13 +26,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
 from services.gateway import tracing
+from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
-from shared import http, protocol, registry
-from shared.bus import Bus
+from shared import http, http_limits, protocol, registry
+from shared.bus import Bus, NatsAuth
 from shared.deployments import Deployment, DeploymentWatcher
+from shared.http_limits import ClientGone, ConnectionGuard, HttpLimits
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
@@ -53,9 +55,14 @@ class GatewayConfig:
     port: int = 8000
     gateway_id: str = "gateway"
     require_auth: bool = True
-    request_timeout: float = 600.0  # default deadline; header Strata-Timeout (seconds) overrides
+    request_timeout: float = 600.0  # default deadline; headers Strata-Timeout / Strata-Deadline shorten it
     scheduler_ack_timeout: float = 2.0
     region: str = ""  # stamped on every request: schedulers prefer replicas in the caller's region
+    scheduler_wait: float = 10.0  # no scheduler answers (this gateway or they just started): retry this long
+    max_inflight: int = 256  # requests served at once; past it: 503 with Retry-After, before any work
+    default_max_tokens: int = 1024  # chat requests without max_tokens (a deployment's limits override it)
+    http: HttpLimits = field(default_factory=HttpLimits)
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 @dataclass
@@ -98,6 +105,19 @@ class GatewayMetrics:
         self.cancels = Counter("strata:gateway_cancelled_requests",
                                "Requests the gateway cancelled downstream (client left, or the stream broke).",
                                registry=r)
+        self.refused = Counter("strata:gateway_refused_requests",
+                               "Requests refused before any work, by reason (inflight: the in-flight limit).",
+                               ["reason"], registry=r)
+        self.http_refusals = Counter("strata:gateway_http_refusals",
+                                     "Connections closed or refused by the HTTP limits, by reason (header_timeout, "
+                                     "body_timeout, write_timeout, connection_limit).", ["reason"], registry=r)
+        self.connections = Gauge("strata:gateway_open_connections", "Open HTTP connections.", registry=r)
+        self.store_losses = Gauge("strata:gateway_store_data_losses",
+                                  "Times the key store was found to have lost its data (the keys this gateway "
+                                  "knew were written back).", registry=r)
+        self.scheduler_verdicts = Counter("strata:gateway_scheduler_dead_verdicts",
+                                          "Requests failed because the scheduler holding them fell silent.",
+                                          registry=r)
 
 
 class GatewayService:
@@ -113,7 +133,7 @@ class GatewayService:
         self.redis = None
         self.keys: KeyStore | None = None
         self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
-        self._inbox = f"_INBOX.strata.gw.{cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
+        self._inbox = ""  # where its requests' streams come: under its connection's inbox prefix
         self._schedulers_seen: dict[str, float] = {}
         self._held_by: dict[str, str] = {}  # request id -> scheduler id, until an engine takes it
         self._at_engine: set[str] = set()  # requests an engine took (before their scheduler's ack, at times)
@@ -127,6 +147,11 @@ class GatewayService:
         self._samples_seen: dict[str, int] = {}  # model -> revision samples offered to this report
         self._report_started = time.monotonic()
         self.migration = Migrator(self)
+        self.inflight = InflightLimit(cfg.max_inflight)
+        self._refused_unlogged, self._refusals_logged_at = 0, 0.0
+        self.http_guard = ConnectionGuard(cfg.http, lambda reason: self.metrics.http_refusals.labels(reason).inc())
+        self.metrics.connections.set_function(lambda: self.http_guard.open)
+        self._listener: asyncio.AbstractServer | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,26 +161,30 @@ class GatewayService:
         for name, path in zip(names, self.cfg.models):
             self.models[name] = await loop.run_in_executor(None, load_served_model, name, path)
         self._static = set(self.models)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}", auth=self.cfg.nats_auth)
+        self._inbox = f"{self.bus.inbox_prefix}.gw.{self.cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
+        self.metrics.store_losses.set_function(lambda: self.keys.losses)
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
         await self.deployments.start(self.bus)
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
-        await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
+        self._stats_sub = await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats,
+                                                   self._on_scheduler_stats)
         await self.bus.subscribe(protocol.CONTROL_KEYS, KeyRevoked, self._on_key_revoked)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
         await self.migration.start()
         self._reporter = asyncio.create_task(self._report_loop())
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                     **self.cfg.http.runner_kwargs())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        self._listener = await http_limits.serve(self._runner, self.http_guard, self.cfg.host, self.cfg.port)
+        port = self._listener.sockets[0].getsockname()[1]
         self.url = http.advertised_url(self.cfg.host, port)
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
-            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url}))]
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})),
+            asyncio.create_task(self.keys.watch())]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
@@ -165,13 +194,16 @@ class GatewayService:
         self._reporter.cancel()
         self.migration.stop()
         self.deployments.stop()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
         await self.redis.aclose()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[tracing.trace_requests, self._errors_middleware],
+        app = web.Application(middlewares=[self.http_guard.middleware, self._admission_middleware,
+                                           tracing.trace_requests, self._errors_middleware],
                               client_max_size=4 * 1024 * 1024)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
@@ -223,9 +255,10 @@ class GatewayService:
         """An engine took the request: its scheduler's fate no longer matters to it."""
         rid = msg.subject.rsplit(".", 2)[1]
         if rid in self._streams:
-            self._at_engine.add(rid)
-            self._held_by.pop(rid, None)
-            self.migration.on_accepted(rid, msg.data)
+            ack = self.migration.on_accepted(rid, msg.data)
+            if ack is not None and ack.accepted:
+                self._at_engine.add(rid)
+                self._held_by.pop(rid, None)
 
     def _spawn_cancel(self, rid: str) -> None:
         task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=self.migration.leg_id(rid),
@@ -241,13 +274,21 @@ class GatewayService:
 
     async def _watch_schedulers(self) -> None:
         """A request held by a scheduler that died (no stats for a while) and not yet started
-        ends with an error instead of silence until its deadline."""
+        ends with an error instead of silence until its deadline. Not while this loop runs late
+        or the stats wait unread: then the silence is this gateway's."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            late, last = now - last > 0.5 + 1.0, now
+            if late or self._stats_sub.pending_msgs > 0:
+                for scheduler_id in self._schedulers_seen:  # judged afresh from now on
+                    self._schedulers_seen[scheduler_id] = now
+                continue
             for rid, scheduler_id in list(self._held_by.items()):
                 seen = self._schedulers_seen.get(scheduler_id)
                 if seen is not None and now - seen > self.scheduler_dead_after:
+                    self.metrics.scheduler_verdicts.inc()
                     self._held_by.pop(rid, None)
                     queue = self._streams.get(rid)
                     if queue is not None:
@@ -300,6 +341,13 @@ class GatewayService:
             response = await handler(request)
         except ApiError as exc:
             response = error_response(exc)
+        except ClientGone as exc:
+            if exc.status == 499:  # it left (mid-body, or stopped reading its stream): nobody to answer
+                self.metrics.requests.labels(endpoint, "499").inc()
+                raise asyncio.CancelledError(str(exc)) from None
+            response = error_response(ApiError(exc.status, str(exc), "invalid_request_error", None,
+                                               "request_timeout"))  # too slow sending its body
+            response.force_close()
         except web.HTTPException as exc:  # routing errors, body too large, ...
             if exc.status < 400:
                 raise
@@ -343,8 +391,45 @@ class GatewayService:
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, self._completion_prompt)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, self._chat_prompt)
+
+    async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
-        parsed = oa.parse_completion(await read_json(request))
+        parsed, model, ids = await prompt_of(request)
+        return await self._serve(request, key, parsed, model, ids)
+
+    @web.middleware
+    async def _admission_middleware(self, request: web.Request, handler):
+        """Generation requests within this gateway's in-flight limit. Past it, one is refused
+        before anything else is done for it: no body read, no span, no log line of its own (a
+        summary each second): under overload the cheapest answer is the one that does least."""
+        if request.method != "POST" or request.path not in tracing.GENERATION_PATHS:
+            return await handler(request)
+        if not self.inflight.try_acquire():
+            self.metrics.refused.labels("inflight").inc()
+            self.metrics.requests.labels(request.path, "503").inc()
+            self._note_refusal()
+            return error_response(ApiError(
+                503, f"this gateway is serving {self.inflight.limit} requests, its most; try again later",
+                "overloaded_error", None, "overloaded", retry_after=self.inflight.retry_after()))
+        try:
+            return await handler(request)
+        finally:
+            self.inflight.release(time.monotonic())
+
+    def _note_refusal(self) -> None:
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= 1.0:
+            log.warning("requests refused: in-flight limit", refused=self._refused_unlogged,
+                        inflight=self.inflight.inflight, limit=self.inflight.limit)
+            self._refused_unlogged, self._refusals_logged_at = 0, now
+
+    async def _completion_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int]]:
+        parsed = oa.parse_completion(await self._read_json(request))
         model = self._model(parsed.model)
         if parsed.prompt_token_ids is not None:
             ids = parsed.prompt_token_ids
@@ -353,11 +438,10 @@ class GatewayService:
                 raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
         else:
             ids = await self._off_loop(len(parsed.prompt_text), model.tokenizer.encode, parsed.prompt_text)
-        return await self._serve(request, key, parsed, model, ids)
+        return parsed, model, ids
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        key = await self._authenticate(request)
-        parsed, messages = oa.parse_chat(await read_json(request))
+    async def _chat_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int]]:
+        parsed, messages = oa.parse_chat(await self._read_json(request))
         model = self._model(parsed.model)
 
         def render() -> list[int]:
@@ -368,9 +452,17 @@ class GatewayService:
             ids = await self._off_loop(sum(len(m["content"]) for m in messages), render)
         except Exception as exc:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
-        if parsed.extra.get("max_tokens_unset"):
-            parsed.sampling.max_tokens = max(model.max_model_len - len(ids), 1)
-        return await self._serve(request, key, parsed, model, ids)
+        if parsed.extra.get("max_tokens_unset"):  # bounded: never "the whole context" by default
+            parsed.sampling.max_tokens = max(min(self.default_max_tokens(model.name), model.max_model_len - len(ids)), 1)
+        return parsed, model, ids
+
+    def default_max_tokens(self, model: str) -> int:
+        """max_tokens of a chat request that gives none: its deployment's limit, else this gateway's."""
+        deployment = self.deployments.deployments.get(model) if self.deployments is not None else None
+        return deployment.stable_spec.limits.default_max_tokens if deployment else self.cfg.default_max_tokens
+
+    async def _read_json(self, request: web.Request):
+        return parse_json(await self.http_guard.read_body(request))
 
     @staticmethod
     async def _off_loop(size: int, fn, *args):
@@ -382,8 +474,9 @@ class GatewayService:
 
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
-        if model is None:
-            raise ApiError(404, f"the model '{name}' does not exist", "invalid_request_error", "model",
+        if model is None:  # echoed bounded: a client's megabyte of "model" is not sent back
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise ApiError(404, f"the model {shown!r} does not exist", "invalid_request_error", "model",
                            "model_not_found")
         return model
 
@@ -395,13 +488,8 @@ class GatewayService:
                          f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                          f"{parsed.sampling.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
                          "context_length_exceeded")
-        timeout = self.cfg.request_timeout
-        if "Strata-Timeout" in request.headers:
-            try:
-                timeout = float(request.headers["Strata-Timeout"])
-                assert 0 < timeout <= 86400
-            except (ValueError, AssertionError):
-                raise oa.bad("header Strata-Timeout must be a number of seconds in (0, 86400]") from None
+        deadline = oa.request_deadline(request.headers, arrival, self.cfg.request_timeout)
+        timeout = deadline - arrival
         charged, charged_at = len(ids) + parsed.sampling.max_tokens, time.time()
         over = await self.keys.charge(key, charged) if self.cfg.require_auth else None
         if over is not None:
@@ -411,7 +499,7 @@ class GatewayService:
         rid = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid)
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
-                              prompt_token_ids=ids, sampling=parsed.sampling, deadline=arrival + timeout,
+                              prompt_token_ids=ids, sampling=parsed.sampling, deadline=deadline,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival}, region=self.cfg.region or None)
         tracing.annotate_request(gen, parsed.stream)
@@ -436,7 +524,7 @@ class GatewayService:
             if first.error is not None:
                 finished = first.replica_id is not None  # from the engine itself: nothing runs on
                 self._account(model.name, None, first.revision)
-                raise oa.from_engine_error(first.error.code, first.error.message)
+                raise oa.from_engine_error(first.error.code, first.error.message, first.error.retry_after_s)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
             times = (arrival, first_at)
             if parsed.stream:
@@ -465,13 +553,23 @@ class GatewayService:
     async def _submit(self, gen: GenerateRequest) -> str:
         """Hand the request to a scheduler; returns the id of the scheduler that took it."""
         self.migration.track(gen)
-        try:
-            reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout,
-                                           headers={protocol.HEADER_REQUEST_ID: gen.request_id,
-                                                    protocol.HEADER_DEADLINE: f"{gen.deadline:.3f}"})
-        except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError):
-            raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
-                           retry_after=1.0) from None
+        # No scheduler subscribed (they are starting, or restarting): nothing holds the request,
+        # so it is offered again for a while. A timeout is different: one may hold it.
+        give_up = time.monotonic() + max(min(self.cfg.scheduler_wait, gen.deadline - time.time()), 0.0)
+        while True:
+            try:
+                reply = await self.bus.request(protocol.GENERATE, gen, timeout=self.cfg.scheduler_ack_timeout,
+                                               headers={protocol.HEADER_REQUEST_ID: gen.request_id,
+                                                        protocol.HEADER_DEADLINE: f"{gen.deadline:.3f}"})
+                break
+            except NoRespondersError:
+                if time.monotonic() + 0.2 >= give_up:
+                    raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
+                                   retry_after=1.0) from None
+                await asyncio.sleep(0.2)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                raise ApiError(503, "no scheduler is available", "overloaded_error", None, "unavailable",
+                               retry_after=1.0) from None
         try:
             ack = protocol.decode(GenerateAck, reply.data)
         except protocol.ProtocolError as exc:
@@ -479,7 +577,7 @@ class GatewayService:
                            "unavailable", retry_after=1.0) from None
         if not ack.accepted:
             error = ack.error or protocol.ErrorInfo(code=ErrorCode.UNAVAILABLE, message="refused by the scheduler")
-            raise oa.from_engine_error(error.code, error.message)
+            raise oa.from_engine_error(error.code, error.message, error.retry_after_s)
         return ack.replica_id
 
     async def _cancel(self, gen: GenerateRequest, leg_id: str) -> None:
@@ -512,7 +610,7 @@ class GatewayService:
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
                 self._account(model.name, None, chunk.revision)
-                raise oa.from_engine_error(chunk.error.code, chunk.error.message)
+                raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
             chunks.append(chunk)
         final = chunks[-1]
         text = "".join(c.text for c in chunks)
@@ -561,7 +659,14 @@ class GatewayService:
         usage_null = {"usage": None} if parsed.include_usage else {}
 
         async def send(obj: dict) -> None:
-            await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+            try:
+                async with self.http_guard.write_deadline():
+                    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+            except TimeoutError:  # a client that stopped reading must not hold its slot and blocks
+                self.http_guard.count("write_timeout")
+                if request.transport is not None:
+                    request.transport.abort()
+                raise ClientGone("the client stopped reading the stream", 499) from None
 
         if parsed.chat:
             await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
@@ -593,9 +698,9 @@ class GatewayService:
         return response
 
 
-async def read_json(request: web.Request):
+def parse_json(raw: bytes):
     try:
-        body = await request.json(loads=json.loads)
+        body = json.loads(raw.decode())  # UTF-8 only (json.loads of bytes would accept UTF-16 and a BOM)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise oa.bad("the request body is not valid JSON") from None
     if not _encodable(body):  # "\ud800" is valid JSON but no UTF-8 text: the tokenizer and msgpack refuse it

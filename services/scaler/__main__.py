@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_nats_env(environ=os.environ) -> dict[str, str]:
+    """The engines the local actuator starts get the engine role's NATS credentials, given to the
+    scaler as STRATA_ENGINE_NATS_USER / STRATA_ENGINE_NATS_PASSWORD (not its own role's)."""
+    return {f"STRATA_NATS_{name}": environ[f"STRATA_ENGINE_NATS_{name}"] for name in ("USER", "PASSWORD")
+            if f"STRATA_ENGINE_NATS_{name}" in environ}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
@@ -57,20 +64,24 @@ def main(argv=None) -> int:
             return 2
     else:
         actuator = LocalProcessActuator(settings.nats_url, settings.redis_url, log_dir=log_dir,
-                                        extra_args=args.engine_arg, region=settings.region)
+                                        extra_args=args.engine_arg, region=settings.region,
+                                        engine_env=engine_nats_env())
     # Pools stored in control each get their own actuator (local engines take --engine-arg too).
     def make_actuator(spec):
-        return pool_actuator(spec, settings.nats_url, settings.redis_url, log_dir, args.engine_arg)
+        return pool_actuator(spec, settings.nats_url, settings.redis_url, log_dir, args.engine_arg,
+                             engine_env=engine_nats_env())
 
     try:
         service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
                                              http_host=args.http_host, http_port=args.http_port, region=settings.region,
-                                             pool_backoff_s=args.pool_backoff, pool_max_backoff_s=args.pool_max_backoff),
+                                             pool_backoff_s=args.pool_backoff, pool_max_backoff_s=args.pool_max_backoff,
+                                             nats_auth=settings.nats_auth()),
                                 actuator, make_actuator)
     except ValueError as exc:  # --pool-backoff / --pool-max-backoff
         print(f"--pool-backoff, --pool-max-backoff: {exc}", file=sys.stderr)
         return 2
-    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service)))
+    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service),
+                               settings.nats_auth()))
     return 0
 
 

@@ -97,6 +97,7 @@ class LocalProcessActuator:
     redis_url: str
     log_dir: Path
     extra_args: list[str] = field(default_factory=list)  # given to every engine (e.g. --threads 1)
+    engine_env: dict[str, str] = field(default_factory=dict)  # e.g. the engine role's NATS credentials
     stop_timeout: float = 60.0  # drain time allowed at close()
     capacity: int | None = None  # engines this pool may run, every deployment and draining ones too (None: no limit)
     pool: str = ""  # the pool's name and region, which its engines report in their heartbeats
@@ -158,7 +159,8 @@ class LocalProcessActuator:
                 *self.extra_args]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **self.engine_env})
         group[replica_id] = LocalReplica(replica_id, proc, time.monotonic())
         log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid,
                  pool=self.pool)
@@ -369,12 +371,12 @@ class KubernetesActuator:
 
 
 def pool_actuator(spec: PoolSpec, nats_url: str, redis_url: str, log_dir: Path,
-                  extra_args: list[str] | None = None) -> Actuator:
+                  extra_args: list[str] | None = None, engine_env: dict[str, str] | None = None) -> Actuator:
     """The actuator of one capacity pool: its cluster's Kubernetes API, or engine processes on
     this machine limited to the pool's capacity."""
     a = spec.actuator
     if a.kind == "local":
         return LocalProcessActuator(nats_url, redis_url, log_dir, list(extra_args or []), capacity=spec.capacity,
-                                    pool=spec.name, region=spec.region)
+                                    pool=spec.name, region=spec.region, engine_env=dict(engine_env or {}))
     return KubernetesActuator(a.api_url, a.namespace, a.deployment_prefix, a.token, pending_timeout_s=a.pending_timeout_s,
                               ca_file=a.ca_file, token_file=a.token_file)

@@ -7,6 +7,8 @@ and the schedulers' queue stats. Bounds, SLOs and the canary split come from the
 split across the revisions being served by the canary weight (a canary with any weight gets at
 least one replica), then each revision's count across the pools the deployment allows
 (services.scaler.placement); revisions no longer served are scaled to zero, which drains them.
+A deployment the store lost (not deleted: no tombstone) is held as it was: an emptied store
+drains nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import structlog
@@ -26,7 +28,7 @@ from services.scaler.placement import Placer
 from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
 from services.scaler.pools import PoolSet
 from shared import http, protocol, registry
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.logging import get_logger
 from shared.pools import PoolSpec, PoolWatcher
@@ -48,6 +50,7 @@ class ScalerConfig:
     region: str = ""  # the region of the scaler's own actuator (the pool `default`)
     pool_backoff_s: float = 30.0  # a refusing pool's first back-off; doubles with each refusal in a row
     pool_max_backoff_s: float = 600.0
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 def policy_config(deployment: Deployment, cold_start_s: float) -> ScalingConfig:
@@ -98,15 +101,18 @@ class ScalerService:
         self.m_changes = Counter("strata:scaler_scale_events", "Changes of the desired count.",
                                  ["deployment", "direction"], registry=r)
         self.m_pools = PoolMetrics(r)
+        self.m_lost = Gauge("strata:scaler_deployments_missing_from_store",
+                            "Deployments the store lost (not deleted): the scaler holds them as they were.", registry=r)
         self._task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.http_url = ""
 
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(scaler_id=self.cfg.scaler_id)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"scaler-{self.cfg.scaler_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"scaler-{self.cfg.scaler_id}")
         self.deployments = DeploymentWatcher(self.redis)
+        self.m_lost.set_function(lambda: len(self.deployments.lost))
         await self.deployments.start(self.bus)
         self.pool_watcher = PoolWatcher(self.redis, on_change=self.pools.sync)
         await self.pool_watcher.start(self.bus)

@@ -24,7 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing policy of one deployment (repeatable)")
     p.add_argument("--load-weight", type=float, default=4.0,
                    help="kv_aware: blocks of prefill that one request of load on a replica is worth")
-    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--max-queue", type=int, default=1024, help="requests the admission queue holds per model")
+    p.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="seconds a request may wait in the admission queue before it is refused (overloaded)")
+    p.add_argument("--no-replica-wait", type=float, default=10.0,
+                   help="seconds a request for a model with no deployment and no replica (not even starting) "
+                        "waits for one")
     p.add_argument("--inter-region-penalty-ms", type=float, default=DEFAULT_PENALTY_S * 1e3,
                    help="route out of the request's region only when the queueing avoided exceeds this")
     p.add_argument("--http-host", default="127.0.0.1")
@@ -48,9 +53,11 @@ def main(argv=None) -> int:
     service = SchedulerService(SchedulerConfig(
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
         load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
+        max_queue_wait=args.max_queue_wait, no_replica_wait=args.no_replica_wait,
         http_host=args.http_host, http_port=args.http_port, region=settings.region,
-        inter_region_penalty_s=args.inter_region_penalty_ms / 1e3))
-    aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service)))
+        inter_region_penalty_s=args.inter_region_penalty_ms / 1e3, nats_auth=settings.nats_auth()))
+    aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service),
+                               settings.nats_auth()))
     return 0
 
 

@@ -3,7 +3,9 @@
 Ordered by priority class (critical, then standard, then sheddable); within a class, tenants
 take turns (round robin over per-tenant FIFO queues), so one tenant's burst does not starve the
 others. Bounded: when full, a new request displaces the newest request of a lower class, or is
-refused. A request that cannot start before its deadline is refused early. Pure logic, no I/O.
+refused. A request that cannot start before its deadline (the time by which it must start: the
+request's own deadline less the time it takes to serve, or the queue's wait budget) is refused
+early, and with the drain rate known, at once. Pure logic, no I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-PRIORITIES = ("critical", "standard", "sheddable")
+from shared.protocol import PRIORITIES
 
 
 def priority_rank(priority: str | None) -> int:
@@ -25,7 +27,7 @@ class QueuedRequest:
     tenant: str
     priority: str
     enqueued_at: float
-    deadline: float | None
+    deadline: float | None  # unix seconds by which it must start (None: whenever)
     payload: Any = None  # the GenerateRequest
 
 
@@ -119,6 +121,19 @@ class AdmissionQueue:
                         doomed.append(item)
             ahead += len(cls)
         return [self.remove(item.request_id) for item in doomed]
+
+    def estimated_wait(self, priority: str | None) -> float | None:
+        """Seconds a request of this class queued now would wait before it starts (None while
+        the drain rate is unknown): everything of its class and above goes first."""
+        if self.drain_rate <= 0:
+            return None
+        rank = priority_rank(priority)
+        return sum(len(c) for c in self.classes[:rank + 1]) / self.drain_rate
+
+    def retry_after(self, lo: float = 1.0, hi: float = 30.0) -> float:
+        """When a refused request may find room: the time the queue takes to drain."""
+        wait = len(self) / self.drain_rate if self.drain_rate > 0 else lo
+        return min(max(wait, lo), hi)
 
     def oldest_wait(self, now: float) -> float:
         return max((now - i.enqueued_at for i in self.index.values()), default=0.0)

@@ -34,6 +34,7 @@ class ReplicaState:
     revision: int = 0  # deployment revision it serves (0: unmanaged)
     region: str = ""  # where it runs ("": near every request)
     finish_rate: float = 0.0  # requests it finishes per second (moving average of its reports)
+    ttft_s: float | None = None  # recent time to first token there (p90)
 
     @property
     def load(self) -> int:

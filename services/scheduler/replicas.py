@@ -27,6 +27,7 @@ class ReplicaView:
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
         r.region = hb.region
         r.reported(hb.accepted_total)
+        r.ttft_s = hb.ttft_p90_s
         r.last_seen = now
         per_model[hb.replica_id] = r
         self._note_finished(r, hb.timestamp, hb.requests_finished + hb.requests_failed)
@@ -68,6 +69,12 @@ class ReplicaView:
         return [r for r in self.replicas.get(model, {}).values()
                 if r.state == "ready" and now - r.last_seen <= self.stale_after
                 and self._avoid_until.get(r.replica_id, 0.0) <= now]
+
+    def time_to_first_token(self, model: str) -> float:
+        """How long a request routed now takes to its first token, from what the model's replicas
+        report (their recent p90, the median of them; 0 while unknown)."""
+        ttfts = sorted(r.ttft_s for r in self.replicas.get(model, {}).values() if r.ttft_s is not None)
+        return ttfts[len(ttfts) // 2] if ttfts else 0.0
 
     def models(self) -> list[str]:
         return [m for m, reps in self.replicas.items() if reps]

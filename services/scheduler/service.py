@@ -3,9 +3,13 @@
 It is not on the token path: it forwards the request with the caller's reply subject, so the
 engine streams straight to the caller. Routing is by policy (kv_aware by default: the prefix
 index in Redis, fed by the engines' KV events, tells how much of the prompt each replica holds).
-When every replica is saturated, requests wait in a bounded admission queue (priority classes,
-fair across tenants). A replica that refuses or does not acknowledge is avoided for a while and
-the next is tried; the caller hears from the scheduler only when nobody takes the request.
+When every replica is saturated, or none is ready yet (starting, scaled to zero), requests wait
+in a bounded admission queue (priority classes, fair across tenants) for as long as they can
+still be served by their deadline and within the queue's wait budget; past that they are
+refused at once with `overloaded` and when to retry. A replica that refuses or does not
+acknowledge is avoided for a while and the next is tried; a forward that timed out is withdrawn
+from that replica only (its cancel names the replica), so it cannot refuse the retry. The caller
+hears from the scheduler only when nobody takes the request.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
+from nats.errors import NoRespondersError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
@@ -27,7 +32,7 @@ from services.scheduler.tracing import RoutingSpans
 from shared import http, keys, protocol, registry
 from shared.deployments import DeploymentWatcher
 from shared.block_hash import prompt_block_hashes
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat, KvEventBatch,
@@ -48,6 +53,8 @@ class SchedulerConfig:
     ack_timeout: float = 2.0
     max_attempts: int = 3
     max_queue: int = 1024
+    max_queue_wait: float = 30.0  # seconds a request may wait in the admission queue
+    no_replica_wait: float = 10.0  # a model with no deployment and no replica heard of: wait this long for one
     registry_sync_interval: float = 1.0
     http_host: str = "127.0.0.1"
     http_port: int = 0  # /metrics and /health (0: any free port)
@@ -55,6 +62,7 @@ class SchedulerConfig:
     seed: int | None = None
     region: str = ""  # this scheduler's region: requests that name none are from here
     inter_region_penalty_s: float = DEFAULT_PENALTY_S  # cross only when the queueing avoided is worth more
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
 
 def away_from_the_lost_replica(req: GenerateRequest, candidates: list) -> list:
@@ -88,6 +96,9 @@ class SchedulerMetrics:
                                     ["outcome"], registry=r)
         self.cross_region = Counter("strata:scheduler_cross_region", "Requests routed out of their region.",
                                     ["model_name", "from_region", "to_region"], registry=r)
+        self.refused = Counter("strata:scheduler_refused_requests",
+                               "Requests refused with overloaded, by reason (queue_full, cannot_start_in_time, "
+                               "no_replica).", ["model_name", "reason"], registry=r)
 
 
 class SchedulerService:
@@ -118,7 +129,7 @@ class SchedulerService:
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         structlog.contextvars.bind_contextvars(scheduler_id=self.cfg.scheduler_id)
-        self.bus = await Bus.connect(self.cfg.nats_url, f"scheduler-{self.cfg.scheduler_id}")
+        self.bus = await Bus.connect(self.cfg.nats_url, f"scheduler-{self.cfg.scheduler_id}", auth=self.cfg.nats_auth)
         self.redis = connect_redis(self.cfg.redis_url, f"scheduler-{self.cfg.scheduler_id}")
         self.index = PrefixIndex(self.redis)
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
@@ -281,11 +292,8 @@ class SchedulerService:
         self.spans.begin(req)
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
-        if not self.view.replicas.get(req.model) and req.model not in self.deployments.deployments:
-            await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} is running")
-            return
-        # A deployment with no replica (scaled to zero, or starting): the request waits in the
-        # queue, whose depth tells the scaler to start one, until its deadline.
+        # No replica ready (starting, scaled to zero, or none heard of yet): the request waits in
+        # the queue, whose depth tells the scaler to start one, within its deadline.
         if req.deadline is not None and req.deadline <= time.time():
             await self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request was routed")
             return
@@ -296,13 +304,36 @@ class SchedulerService:
             return
         await self.enqueue(req)
 
+    def known(self, model: str) -> bool:
+        """A model something serves or will: a deployment, or a replica heard of in any state."""
+        return bool(self.view.replicas.get(model)) or model in self.deployments.deployments
+
+    def start_by(self, req: GenerateRequest, now: float) -> float:
+        """When the request must have left the queue for its first token to come before its
+        deadline (as long as the model's replicas take to one now), and at the latest after the
+        queue's wait budget. (max_tokens says only how long it may run, not how long it will.)"""
+        start_by = now + self.cfg.max_queue_wait
+        if req.deadline is not None:
+            start_by = min(start_by, req.deadline - self.view.time_to_first_token(req.model))
+        return start_by
+
     async def enqueue(self, req: GenerateRequest) -> None:
         queue = self.queues.setdefault(req.model, AdmissionQueue(self.cfg.max_queue))
+        now = time.time()
+        start_by = self.start_by(req, now)
+        wait = queue.estimated_wait(req.priority)
+        if wait is not None and now + wait > start_by:  # it would only wait to be refused: refuse it now
+            self.metrics.refused.labels(req.model, "cannot_start_in_time").inc()
+            await self._fail(req, ErrorCode.OVERLOADED, f"all replicas are busy: the request would wait {wait:.1f}s, "
+                             f"more than it can", retry_after=queue.retry_after())
+            return
         refused = queue.push(QueuedRequest(req.request_id, req.tenant or "", req.priority or "standard",
-                                           time.monotonic(), req.deadline, req))
+                                           time.monotonic(), start_by, req))
         self.metrics.queue_depth.labels(req.model).set(len(queue))
         if refused is not None:
-            await self._fail(refused.payload, ErrorCode.OVERLOADED, "all replicas are saturated and the queue is full")
+            self.metrics.refused.labels(req.model, "queue_full").inc()
+            await self._fail(refused.payload, ErrorCode.OVERLOADED, "all replicas are saturated and the queue is full",
+                             retry_after=queue.retry_after())
         self._wake_dispatch.set()
 
     async def _dispatch_loop(self) -> None:
@@ -325,11 +356,18 @@ class SchedulerService:
                 last = now
 
     async def _dispatch_once(self) -> None:
-        now_wall = time.time()
+        now_wall, now = time.time(), time.monotonic()
         for model, queue in list(self.queues.items()):  # route() awaits: the dict may grow meanwhile
             for item in queue.expired(now_wall):
-                await self._fail(item.payload, ErrorCode.OVERLOADED,
-                                 "the request cannot start before its deadline: all replicas are saturated")
+                self.metrics.refused.labels(model, "cannot_start_in_time").inc()
+                await self._fail(item.payload, ErrorCode.OVERLOADED, "the request cannot start before its deadline: "
+                                 "all replicas are saturated", retry_after=queue.retry_after())
+            if not self.known(model):  # nothing serves it, nor is starting to: not forever
+                for item in [i for i in queue.index.values() if now - i.enqueued_at >= self.cfg.no_replica_wait]:
+                    queue.remove(item.request_id)
+                    self.metrics.refused.labels(model, "no_replica").inc()
+                    await self._fail(item.payload, ErrorCode.OVERLOADED, f"no replica of model {model!r} is running "
+                                     f"or starting (waited {self.cfg.no_replica_wait:g}s)")
             while len(queue):
                 candidates = self.view.candidates(model)
                 if not candidates or all(r.saturated for r in candidates):
@@ -393,7 +431,7 @@ class SchedulerService:
             tried.add(choice.replica_id)
             choice.inflight += 1
             req.timestamps["scheduler_routed"] = time.time()
-            ack = await self._forward(req, choice.replica_id)
+            ack, maybe_taken = await self._forward(req, choice.replica_id)
             choice.inflight -= 1
             if ack is not None and ack.accepted:
                 choice.acknowledged(ack.accepted_seq)
@@ -409,11 +447,13 @@ class SchedulerService:
                          queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
                 return
-            if ack is None:
-                # No answer in time: the engine may still have taken it. Cancel there before
-                # trying elsewhere, so the request never runs twice into one stream.
-                await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant))
-            elif ack.error is not None and ack.error.code not in (ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED):
+            if ack is None and maybe_taken:
+                # No answer in time: the engine may still have taken it. Withdraw it there, and only
+                # there (the cancel names the replica), before trying elsewhere, so the request never
+                # runs twice into one stream and the retry is not refused as cancelled.
+                await self.bus.publish(protocol.CANCEL, Cancel(request_id=req.request_id, tenant=req.tenant,
+                                                               replica_id=choice.replica_id))
+            elif ack is not None and ack.error is not None and not self._retryable(req, ack.error.code):
                 await self._fail(req, ack.error.code, ack.error.message)  # about the request: final
                 return
             self.view.avoid(choice.replica_id)
@@ -423,23 +463,41 @@ class SchedulerService:
         self.metrics.decisions.labels(req.model, policy, "no_replica", str(revision)).inc()
         await self._fail(req, ErrorCode.OVERLOADED, f"no replica of model {req.model!r} can take the request")
 
-    async def _forward(self, req: GenerateRequest, replica_id: str) -> GenerateAck | None:
+    def _retryable(self, req: GenerateRequest, code: str) -> bool:
+        """A refusal another replica may not repeat: it is about this replica, not the request. An
+        engine's `cancelled` the caller did not ask for (a cancel meant for another replica's run)
+        is one of them: only a client that left ends its own request."""
+        return code in (ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED) or (
+            code == ErrorCode.CANCELLED and req.request_id not in self._cancelled)
+
+    async def _forward(self, req: GenerateRequest, replica_id: str) -> tuple[GenerateAck | None, bool]:
+        """The replica's answer, or None and whether it may have taken the request anyway (no
+        answer in time) or cannot have (nobody listens on its subject: a replica that is gone, or
+        one a forged heartbeat made up)."""
+        req.accept_by = time.time() + self.cfg.ack_timeout  # a replica that gets it later must not take it
         try:
             with self.spans.active(req.request_id):  # the engine's spans join this request's trace here
                 reply = await self.bus.request(protocol.engine_generate(replica_id), req, timeout=self.cfg.ack_timeout)
-            return protocol.decode(GenerateAck, reply.data)
-        except Exception as exc:  # timeout, no responders, garbage: treat as a refusal
+            return protocol.decode(GenerateAck, reply.data), False
+        except NoRespondersError:
+            log.warning("forward failed: nobody serves the replica's subject", replica_id=replica_id)
+            return None, False
+        except Exception as exc:  # timeout, garbage: treat as a refusal that may have been taken
             log.warning("forward failed", replica_id=replica_id, error=f"{exc.__class__.__name__}: {exc}")
-            return None
+            return None, True
 
-    async def _fail(self, req: GenerateRequest, code: str, message: str) -> None:
+    async def _fail(self, req: GenerateRequest, code: str, message: str, retry_after: float | None = None) -> None:
         self.spans.end(req.request_id, code, message)
         await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
-                                                        error=ErrorInfo(code=code, message=message)))
+                                                        error=ErrorInfo(code=code, message=message,
+                                                                        retry_after_s=retry_after)))
 
     async def on_cancel(self, msg: Cancel, _raw) -> None:
         """A request still in our admission queue ends here; one being routed is cancelled at
-        its engine once the engine has it; engines handle the rest."""
+        its engine once the engine has it; engines handle the rest. A cancel naming a replica
+        withdraws one forward from that replica: it is not the caller's."""
+        if msg.replica_id is not None:
+            return
         if msg.request_id in self._routing and msg.tenant == self._routing[msg.request_id]:
             self._cancelled[msg.request_id] = time.monotonic()
             return

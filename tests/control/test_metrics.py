@@ -231,7 +231,7 @@ def test_a_real_prometheus_answers_every_dashboard_query(deployed, prometheus):
     assert per_revision["data"]["result"][0]["metric"]["revision"] == "1", per_revision
     # The alert rules load and their recording rules evaluate on live series.
     rules = json.loads(get(f"{prometheus}/api/v1/rules"))["data"]["groups"]
-    assert {g["name"] for g in rules} == {"strata-slo", "strata-capacity", "strata-replicas", "strata-tooling"}
+    assert {g["name"] for g in rules} == {"strata-slo", "strata-capacity", "strata-replicas", "strata-store", "strata-tooling"}
     assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
     print(f"\n{len(dashboard_exprs())} dashboard queries run; empty on this stack (no such event yet): {len(empty)}")
     for line in empty:

@@ -2,8 +2,9 @@
 base made here with debootstrap (no image registry), `docker compose up --wait` of compose.yaml
 with compose.host.yaml (every service on 127.0.0.1, its own port) and the CPU profile. Then
 what a user does with it: the official `openai` client streams a chat completion, `strata
-status` and `strata diagnose` read the containers, Prometheus scrapes every service, the trace
-of a request reaches an OTLP receiver, an engine container killed with `docker kill` under
+status` and `strata diagnose` read the containers, NATS admits only the roles' users (with
+their permissions) and Valkey keeps AOF, Prometheus scrapes every service, the trace of a
+request reaches an OTLP receiver, an engine container killed with `docker kill` under
 streaming load costs no stream, and `docker compose down` leaves nothing behind.
 
 What cannot run here is skipped with the reason (Docker not installable or startable; the public
@@ -207,6 +208,42 @@ def test_an_openai_client_streams_a_chat_completion(stack):
     FIGURES["up_to_first_token_s"] = round(first_token - stack.up_started, 1)
     FIGURES["request_to_first_token_s"] = round(first_token - started, 3)
     stack.first_response_id = response_id
+
+
+def test_the_bus_admits_only_the_roles_users_and_the_store_keeps_aof(stack):
+    """compose.host.yaml runs compose.yaml's NATS users and Valkey persistence, not its own."""
+    import nats
+    import redis
+
+    gateway_env = stack.config["services"]["gateway"]["environment"]
+    url = gateway_env["STRATA_NATS_URL"]
+
+    async def check() -> list[str]:
+        with pytest.raises(Exception):  # no credentials: refused
+            await nats.connect(url, allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
+        violations: list[str] = []
+
+        async def record(exc: Exception) -> None:
+            violations.append(str(exc))
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=3, error_cb=record,
+                                user=gateway_env["STRATA_NATS_USER"], password=gateway_env["STRATA_NATS_PASSWORD"])
+        try:  # the gateway's user may not pose as an engine
+            await nc.publish("strata.v1.heartbeat.forged", b"\x80")
+            await nc.flush()
+            deadline = time.monotonic() + 5
+            while not violations and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+        return violations
+
+    violations = asyncio.run(check())
+    assert any("permissions violation" in v.lower() for v in violations), violations
+    store = redis.Redis.from_url(stack.redis_url)
+    try:
+        assert store.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        store.close()
 
 
 def test_the_trace_of_a_request_reaches_the_otlp_receiver(stack):

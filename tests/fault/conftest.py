@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,10 @@ ENGINE_ARGS = ["--threads", "1", "--num-kv-blocks", "512", "--lease-ttl", "3", "
 
 
 def make_stack(model_dir, log_dir, engines: int = 2, schedulers: int = 1, **kwargs) -> LocalStack:
+    """A stack on an authenticated bus (each service with its role's credentials); a test's own
+    connections use the admin's (`stack.infra.nats_url_as("admin")`)."""
     kwargs.setdefault("engine_args", ENGINE_ARGS)
+    kwargs.setdefault("auth", True)
     return LocalStack(str(model_dir), engines=engines, schedulers=schedulers, log_dir=log_dir, **kwargs).start()
 
 
@@ -92,7 +96,7 @@ def start_gateway(stack: LocalStack, name: str, timeout: float = 60.0) -> tuple[
             [sys.executable, "-m", "services.gateway", "--model", stack.model_dir, "--served-model-name",
              stack.deployment, "--port", str(port), "--gateway-id", name, "--nats-url", stack.infra.nats_url,
              "--redis-url", stack.infra.redis_url, "--log-format", "json"],
-            stdout=log_file, stderr=subprocess.STDOUT)
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **stack.infra.env_for("gateway")})
     stack.services[name] = proc
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

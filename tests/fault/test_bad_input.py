@@ -189,6 +189,8 @@ def targets(stack) -> list[tuple[str, str, type]]:
         "GATEWAY_STATS_ALL": (protocol.gateway_stats("gateway-0"), protocol.GatewayStats),
         "gateway_stats": (protocol.gateway_stats("fuzzed-gateway"), protocol.GatewayStats),
         "engine_generate": (protocol.engine_generate(replica), protocol.GenerateRequest),
+        "ENGINE_GENERATE_ALL": (protocol.engine_generate(replica), protocol.GenerateRequest),
+        "ENGINE_KV_SNAPSHOT_ALL": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
         "engine_kv_snapshot": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
         # Read by `strata logs` (kept a while by JetStream), not by a service: garbage must not stop them.
         "LOGS_ALL": (protocol.logs("gateway", "gateway"), protocol.LogLine),
@@ -249,7 +251,7 @@ def payloads(cls) -> list[tuple[str, bytes]]:
 
 
 async def test_garbage_on_every_subject_leaves_every_service_serving(stack):
-    bus = await Bus.connect(stack.infra.nats_url, "fuzzer")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "fuzzer")
     replies = {}
     try:
         for name, subject, cls in targets(stack):
@@ -277,12 +279,12 @@ async def test_garbage_on_every_subject_leaves_every_service_serving(stack):
 
 
 async def test_garbage_on_a_live_requests_reply_and_routing_subjects_does_not_disturb_it(stack):
-    bus = await Bus.connect(stack.infra.nats_url, "fuzzer")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "fuzzer")
     seen: set[str] = set()
 
     async def spy(msg):
         seen.add(msg.subject)
-    await bus.nc.subscribe("_INBOX.strata.gw.>", cb=spy)
+    await bus.nc.subscribe("_INBOX.gateway.gw.>", cb=spy)
     try:
         async with aiohttp.ClientSession() as http:
             request = asyncio.create_task(stream_completion(

@@ -53,7 +53,7 @@ async def engine_running(stack, replica: str) -> float:
 async def test_a_continuation_is_not_routed_to_the_replica_it_left(stack):
     """Even where routing would prefer it (it holds the prompt's prefix), the replica a resumed
     stream left is presumed dead: the continuation goes elsewhere."""
-    bus = await Bus.connect(stack.infra.nats_url, "test-resume-routing")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "test-resume-routing")
     try:
         prompt = list(range(100, 260))  # ten blocks: the prefix-cache weight outbids the load
         first = (await stream_request(bus, protocol.GENERATE, generate(prompt)))[-1]
@@ -66,6 +66,78 @@ async def test_a_continuation_is_not_routed_to_the_replica_it_left(stack):
     finally:
         await bus.close()
     assert chunks[-1].finish_reason == "length" and chunks[-1].replica_id not in (None, holder), chunks[-1]
+
+
+@pytest.mark.slow
+async def test_a_retry_after_a_frozen_replica_is_not_refused_by_its_own_cancel(stack):
+    """SIGSTOP one replica: forwards to it time out, the scheduler withdraws each from that
+    replica only (the cancel names it) and retries on the other, which serves it. Before, the
+    retry was refused as "cancelled before it arrived" and the client got a 499 (client left)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        prompts = [f"Frozen {i}: the quick brown fox" for i in range(8)]
+        reference = await asyncio.gather(*(stream_completion(http, stack.base_url, stack.api_key, body(p, 16))
+                                           for p in prompts))
+        retries_before = sum([await metric(await scheduler_url(stack), "strata:scheduler_retries_total")])
+        stack.services["engine-0"].send_signal(signal.SIGSTOP)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(
+                stream_completion(http, stack.base_url, stack.api_key, body(p, 16)) for p in prompts)), 60)
+        finally:
+            stack.services["engine-0"].send_signal(signal.SIGCONT)
+        await asyncio.sleep(2)  # the thawed replica takes the withdrawn forwards, and drops them
+    retries = await metric(await scheduler_url(stack), "strata:scheduler_retries_total") - retries_before
+    print(f"\nengine-0 frozen: {retries:.0f} forwards timed out and were retried on engine-1")
+    assert retries >= 1  # the frozen replica was tried: the path under test ran
+    for ref, got in zip(reference, results):
+        assert got.ok and got.status == 200, got
+        assert got.text == ref.text and got.strata["replica_id"] == "engine-1"
+    assert await engine_running(stack, "engine-0") == 0  # the late runs were withdrawn there
+
+
+@pytest.mark.slow
+async def test_a_forged_heartbeat_of_a_replica_nobody_runs_does_not_fail_requests(stack):
+    """A heartbeat for a replica that does not exist draws routing to it: nobody serves its
+    subject, so the scheduler moves on (no cancel is needed) and the request is served."""
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "forger")
+    stop = asyncio.Event()
+
+    async def forge():
+        hb = protocol.Heartbeat(replica_id="ghost-replica", model="tiny-llama", deployment="tiny-llama", state="ready")
+        while not stop.is_set():
+            hb.timestamp = time.time()
+            await bus.publish(protocol.heartbeat("ghost-replica"), hb)
+            await asyncio.sleep(0.3)
+    forger = asyncio.create_task(forge())
+    log_path = stack.log_dir / "scheduler-0.log"
+    offset = log_path.stat().st_size
+    try:
+        await asyncio.sleep(1)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            results = []
+            end = time.monotonic() + 12  # past the scheduler's 5 s of avoiding a failed replica: tried again
+            while time.monotonic() < end:
+                results += await asyncio.gather(*(stream_completion(http, stack.base_url, stack.api_key,
+                                                                    body(f"Ghost {len(results) + i}", 4))
+                                                  for i in range(4)))
+    finally:
+        stop.set()
+        await forger
+        await bus.close()
+    tried = log_path.read_text(errors="replace")[offset:].count("nobody serves the replica's subject")
+    print(f"\nforged heartbeat: the ghost was tried {tried} times; {len(results)} requests")
+    assert tried >= 1
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+
+
+async def scheduler_url(stack) -> str:
+    import redis.asyncio as aioredis
+
+    from shared import keys
+    r = aioredis.Redis.from_url(stack.infra.redis_url)
+    try:
+        return (await r.hget(keys.service("scheduler", "scheduler-0"), "http_url")).decode()
+    finally:
+        await r.aclose()
 
 
 def generate(prompt: list[int]) -> protocol.GenerateRequest:

@@ -3,13 +3,14 @@ replica killed. Every accepted request ends (completed or a clear error), none h
 deadline, and the stack serves again within seconds."""
 
 import asyncio
+import shutil
 import signal
 import time
 
 import aiohttp
 import pytest
 
-from services.gateway.auth import create_key, hash_key
+from services.gateway.auth import hash_key
 from shared import keys, protocol
 from shared.bus import Bus
 from shared.store import connect_redis
@@ -37,15 +38,17 @@ def infra_process(stack, name: str):
     return next(p for p in stack.infra.processes if p.name == name)
 
 
-async def restart(stack, name: str, before_stop=None, down_for: float = 1.0) -> float:
-    """SIGKILL the NATS or Valkey server and start it again on the same port; returns when it
-    is back (time.monotonic())."""
+async def restart(stack, name: str, before_stop=None, down_for: float = 1.0, empty: bool = False) -> float:
+    """SIGKILL the NATS or Valkey server and start it again on the same port (empty: Valkey
+    without its data); returns when it is back (time.monotonic())."""
     managed = infra_process(stack, name)
     if before_stop is not None:
         await before_stop()
     managed.proc.send_signal(signal.SIGKILL)
     managed.proc.wait(10)
     stack.infra.processes.remove(managed)
+    if empty:
+        shutil.rmtree(stack.infra.valkey_dir(managed.port))
     await asyncio.sleep(down_for)
     start = stack.infra.start_nats if name == "nats" else stack.infra.start_valkey
     await asyncio.to_thread(start, 20.0, managed.port)
@@ -80,17 +83,17 @@ async def test_the_stack_serves_through_both_gateways(stack):
 
 @pytest.mark.slow
 async def test_valkey_restarted_with_its_data_under_load_costs_no_request(stack, redis):
-    """Redis restarts with its snapshot (as a persistent Redis does): routing degrades to load
-    alone while it is away, and KV events lost meanwhile make the index resync."""
+    """Valkey restarts with its data (its append-only file, as `strata up` runs it): routing
+    degrades to load alone while it is away, and KV events lost meanwhile make the index resync."""
     async with Load([stack.base_url, stack.second_gateway], stack.api_key, concurrency=8) as load:
         await asyncio.sleep(3)
-        await restart(stack, "valkey", before_stop=lambda: redis.save())
+        await restart(stack, "valkey")
         await redis.connection_pool.disconnect()  # the test's own connections: not what is under test
         await asyncio.sleep(6)
     errors = [r.outcome for r in load.records if not r.outcome.ok]
     print(f"\nvalkey restart with data: {load.summary()}")
     assert not errors and len(load.records) >= 16, errors[:5]
-    bus = await Bus.connect(stack.infra.nats_url, "test-valkey")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "test-valkey")
     try:
         took = await wait_until(lambda: index_matches_snapshots(stack, redis, bus), "index never recovered", 15)
     finally:
@@ -102,23 +105,21 @@ async def test_valkey_restarted_with_its_data_under_load_costs_no_request(stack,
 @pytest.mark.slow
 async def test_valkey_restarted_empty_rebuilds_the_registry_and_the_index(stack, redis):
     """Everything in Redis is lost: heartbeats re-register the replicas within a second or two,
-    and the schedulers rebuild the prefix index from the engines' snapshots without waiting for
-    a KV event. (API keys are data: the operator restores them, here at once.)"""
+    the schedulers rebuild the prefix index from the engines' snapshots without waiting for a KV
+    event, and the gateways write back the API keys they knew (an empty store is an outage, not
+    a revocation)."""
     async with aiohttp.ClientSession() as http:  # something cached on the engines
         for i in range(4):
             out = await stream_completion(http, stack.base_url, stack.api_key,
                                           {"model": MODEL, "prompt": f"Index me {i} " * 20, "max_tokens": 2})
             assert out.ok
-    (stack.infra.workdir / "dump.rdb").unlink(missing_ok=True)  # an earlier test's snapshot
-    await restart(stack, "valkey", down_for=0.5)
+    await restart(stack, "valkey", down_for=0.5, empty=True)
     back = time.monotonic()
     await redis.connection_pool.disconnect()
-    assert not await redis.exists(keys.api_key(hash_key(stack.api_key)))  # it really is empty
-    await create_key(redis, "local-dev", admin=True, api_key=stack.api_key)
     async def registered() -> bool:
         return await redis.exists(keys.replica("engine-0"), keys.replica("engine-1")) == 2
     took = await wait_until(registered, "replicas not registered again", 5)
-    bus = await Bus.connect(stack.infra.nats_url, "test-valkey")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "test-valkey")
     try:
         await wait_until(lambda: index_matches_snapshots(stack, redis, bus), "index never rebuilt", 10)
     finally:
@@ -129,8 +130,11 @@ async def test_valkey_restarted_empty_rebuilds_the_registry_and_the_index(stack,
           f"{time.monotonic() - back:.1f}s after the restart")
     assert indexed > 0
     async with aiohttp.ClientSession() as http:
-        out = await stream_completion(http, stack.base_url, stack.api_key, {"model": MODEL, "prompt": "again"})
-        assert out.ok, out
+        for url in (stack.base_url, stack.second_gateway):  # the key the gateways knew serves on
+            out = await stream_completion(http, url, stack.api_key, {"model": MODEL, "prompt": "again"})
+            assert out.ok, out
+    assert await redis.exists(keys.api_key(hash_key(stack.api_key)))  # written back
+    assert await metric(stack.base_url, "strata:gateway_store_data_losses") >= 1
 
 
 @pytest.mark.slow

@@ -132,12 +132,12 @@ async def test_a_rate_limit_holds_across_two_gateways_under_concurrent_load(stac
 
 async def test_a_tenant_cannot_cancel_another_tenants_request(stack, redis):
     alice = await create_key(redis, "alice")
-    bus = await Bus.connect(stack.infra.nats_url, "mallory")
+    bus = await Bus.connect(stack.infra.nats_url_as("admin"), "mallory")
     request_ids: list[str] = []
 
     async def sniff(msg):  # mallory learns the request id (ids are not secrets)
         request_ids.append(protocol.decode(protocol.TokenChunk, msg.data).request_id)
-    await bus.nc.subscribe("_INBOX.strata.gw.>", cb=sniff)
+    await bus.nc.subscribe("_INBOX.gateway.gw.>", cb=sniff)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": MODEL, "prompt": "Alice's story", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
