@@ -27,6 +27,7 @@ import yaml
 
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
+from services.engine.quantization import support as quantization_support
 from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo
 from services.scheduler.policy import POLICIES
 
@@ -152,6 +153,7 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     elif scaling.panic_window_s > scaling.stable_window_s:
         errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
                                                  f"stable_window_s ({scaling.stable_window_s:g})"))
+    _check_precision(engine, errors)
 
     routing = data.get("routing", {"policy": "kv_aware"})
     if not isinstance(routing, dict) or set(routing) - {"policy"}:
@@ -171,3 +173,13 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling)
+
+
+def _check_precision(engine: dict, errors: list) -> None:
+    """engine.quantization and engine.kv_cache_dtype against what engine.device runs."""
+    values = {key: engine.get(key, default) for key, default in
+              (("quantization", None), ("kv_cache_dtype", "auto"), ("device", "cpu"))}
+    if all(v is None or isinstance(v, str) for v in values.values()):  # wrong types are reported above
+        for key, reason in quantization_support.check(values["quantization"], values["kv_cache_dtype"],
+                                                      values["device"]):
+            errors.append((f"engine.{key}", reason))

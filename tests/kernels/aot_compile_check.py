@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import kernels.activation as ACT  # noqa: E402
 import kernels.attention as A  # noqa: E402
 import kernels.norm as N  # noqa: E402
+import kernels.quant_matmul as Q  # noqa: E402
 import kernels.rotary as R  # noqa: E402
 
 # Sizes the GPU launchers use (kernels.attention._DECODE_BLOCK_N / _PREFILL_BLOCKS).
@@ -68,6 +69,15 @@ def variants():
                     stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32),
                dict(GROUP=4, PAGE_SIZE=16, BLOCK_Q=PREFILL_BLOCK_M // 4, BLOCK_G=4, BLOCK_M=PREFILL_BLOCK_M,
                     BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=128, DOT_FP32=fp32, num_seqs=1))
+    # Weight-only quantized matmuls as kernels.quant_matmul launches them (decode and prefill tiles).
+    for mode, name, w_type, group in ((Q.MODE_INT8, "int8", "*i8", 896), (Q.MODE_INT4, "int4", "*u8", 128),
+                                      (Q.MODE_FP8, "fp8", "*u8", 896)):
+        for block_m in (16, 64):
+            yield (f"quant_matmul {name} bf16 block_m={block_m}", Q._quant_matmul_kernel,
+                   dict(x_ptr="*bf16", w_ptr=w_type, s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", M=i32, N=i32,
+                        K=i32, stride_xm=i32, stride_wn=i32, stride_sn=i32, stride_ym=i32),
+                   dict(GROUP=group, MODE=mode, HAS_BIAS=True, FP32=False, BLOCK_M=block_m, BLOCK_N=64,
+                        BLOCK_K=Q._block_k(group, 896)))
     p = "*bf16"
     yield ("prefill bf16 group=8", A._prefill_kernel,
            dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
