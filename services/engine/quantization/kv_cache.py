@@ -1,15 +1,16 @@
-"""The quantized KV cache: int8 on CPU, a scale per token and KV head.
+"""The quantized KV cache: int8 on CPU, fp8 (e4m3) on CUDA, a scale per token and KV head.
 
-Each layer's K (and V) cache is an int8 tensor in the usual layout [num_blocks, block_size,
-num_kv_heads, head_dim] with fp32 scales [num_blocks, block_size, num_kv_heads] beside it; a row
-is stored as round(x / s) with s = max|x| / 127 (symmetric), so nothing needs calibrating and an
-outlier in one token costs precision in that token only. A token's KV takes head_dim + 4 bytes
-per head instead of 2 * head_dim (bf16) or 4 * head_dim (fp32): the cache holds proportionally
-more blocks at the same memory.
+Each layer's K (and V) cache is an int8 or fp8 tensor in the usual layout [num_blocks,
+block_size, num_kv_heads, head_dim] with fp32 scales [num_blocks, block_size, num_kv_heads]
+beside it; a row is stored as x / s with s = max|x| / 127 (int8, rounded) or / 448 (fp8), so
+nothing needs calibrating and an outlier in one token costs precision in that token only. A
+token's KV takes head_dim + 4 bytes per head instead of 2 * head_dim (bf16) or 4 * head_dim
+(fp32): the cache holds proportionally more blocks at the same memory.
 
-The CPU decode kernel (kernels/cpu/paged_attention.c) reads the int8 rows and their scales in
+CPU: the decode kernel (kernels/cpu/paged_attention.c) reads the int8 rows and their scales in
 place; prefill reads the chunk's own K and V at full precision and the cached context dequantized
-(only the blocks of the sequence it attends to, per layer).
+(only the blocks of the sequence it attends to, per layer). CUDA: the Triton kernels
+(kernels.attention) quantize on store and widen each fp8 tile as they load it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from services.engine.attention import AttentionMetadata, TorchAttention
 
 INT8_MAX = 127.0
 SCALE_BYTES = 4  # fp32 scale per token and KV head
+CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -54,11 +56,11 @@ def allocate(kv_cache_dtype: str, num_layers: int, shape: tuple[int, int, int, i
         return [(torch.zeros(shape, dtype=model_dtype, device=device), torch.zeros(shape, dtype=model_dtype,
                                                                                       device=device))
                 for _ in range(num_layers)]
-    if kv_cache_dtype != "int8":
+    if kv_cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no cache here")
 
     def one() -> QuantizedKVCache:
-        return QuantizedKVCache(torch.zeros(shape, dtype=torch.int8, device=device),
+        return QuantizedKVCache(torch.zeros(shape, dtype=CACHE_DTYPES[kv_cache_dtype], device=device),
                                 torch.zeros(shape[:3], dtype=torch.float32, device=device))
 
     return [(one(), one()) for _ in range(num_layers)]
@@ -107,11 +109,25 @@ class Int8KVTorchAttention(TorchAttention):
         return super()._decode(q, k_cache, v_cache, meta)
 
 
+def fp8_kv_triton_attention():
+    """TritonAttention over fp8 caches: the kernels take the scales (imported with triton)."""
+    from services.engine.triton_backend import TritonAttention
+
+    class Fp8KVTritonAttention(TritonAttention):
+        @staticmethod
+        def _caches(k_cache: QuantizedKVCache, v_cache: QuantizedKVCache):
+            return k_cache.data, v_cache.data, {"k_scales": k_cache.scales, "v_scales": v_cache.scales}
+
+    return Fp8KVTritonAttention
+
+
 def attention_ops(ops, kv_cache_dtype: str):
     """The device ops with the attention that reads a `kv_cache_dtype` cache."""
     if kv_cache_dtype == "auto":
         return ops
     if kv_cache_dtype == "int8" and ops.attention_cls is TorchAttention:
         return type(f"{ops.__name__}Int8KV", (ops,), {"attention_cls": Int8KVTorchAttention})
+    if kv_cache_dtype == "fp8" and ops.name == "triton":
+        return type(f"{ops.__name__}Fp8KV", (ops,), {"attention_cls": fp8_kv_triton_attention()})
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype} is not supported with the {ops.name} attention backend "
-                     f"(int8: the torch backend, on CPU)")
+                     f"(int8: the torch backend on CPU; fp8: the triton backend on CUDA)")
