@@ -29,17 +29,20 @@ static inline int32_t unpack_value(int32_t word, int bits, int j) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* One tile: MT rows of x (fp32, row stride K) against NT blocks of 16 channels. out: [MT][NT*16]. */
-#define DEFINE_TILE(NAME, BITS, MT, NT)                                                            \
+/* The loop of every AVX-512 tile: MT rows of x (XT, row stride K) against NT blocks of 16
+ * channels, a group of G inputs at a time (its sums scaled once), V inputs per 32-bit word;
+ * STEP(ARG, x, K, kw, packed, part, MT, NT) adds the words `packed` (inputs V*kw ...) into the
+ * group's sums `part`. out: [MT][NT*16]. */
+#define DEFINE_TILE_LOOP(NAME, XT, V, MT, NT, SETUP, STEP, ARG)                                    \
 static void NAME(const void *xv, long K, const int32_t *w, long w_block, const float *s,         \
                  long s_block, int G, float *out)                                                  \
 {                                                                                                   \
-    enum { V = 32 / (BITS) };                                                                       \
-    const float *x = (const float *)xv;                                                            \
+    const XT *x = (const XT *)xv;                                                                  \
+    SETUP                                                                                           \
     __m512 acc[MT][NT];                                                                             \
     for (int m = 0; m < MT; m++)                                                                    \
         for (int b = 0; b < NT; b++) acc[m][b] = _mm512_setzero_ps();                              \
-    const long groups = K / G, words = G / V;                                                      \
+    const long groups = K / G, words = G / (V);                                                    \
     for (long g = 0; g < groups; g++) {                                                            \
         __m512 part[MT][NT];                                                                        \
         for (int m = 0; m < MT; m++)                                                                \
@@ -48,18 +51,7 @@ static void NAME(const void *xv, long K, const int32_t *w, long w_block, const f
             const long kw = g * words + i;                                                         \
             __m512i packed[NT];                                                                     \
             for (int b = 0; b < NT; b++) packed[b] = _mm512_loadu_si512(w + b * w_block + kw * LANES); \
-            _Pragma("GCC unroll 8")                                                                 \
-            for (int j = 0; j < V; j++) {                                                          \
-                __m512 wf[NT];                                                                      \
-                for (int b = 0; b < NT; b++)                                                        \
-                    wf[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(                                   \
-                        _mm512_slli_epi32(packed[b], 32 - (BITS) * (j + 1)), 32 - (BITS)));        \
-                const long k = kw * V + j;                                                          \
-                for (int m = 0; m < MT; m++) {                                                      \
-                    const __m512 xb = _mm512_set1_ps(x[m * K + k]);                                 \
-                    for (int b = 0; b < NT; b++) part[m][b] = _mm512_fmadd_ps(wf[b], xb, part[m][b]); \
-                }                                                                                   \
-            }                                                                                       \
+            STEP(ARG, x, K, kw, packed, part, MT, NT)                                               \
         }                                                                                           \
         for (int b = 0; b < NT; b++) {                                                              \
             const __m512 sv = _mm512_loadu_ps(s + b * s_block + g * LANES);                         \
@@ -69,6 +61,24 @@ static void NAME(const void *xv, long K, const int32_t *w, long w_block, const f
     for (int m = 0; m < MT; m++)                                                                    \
         for (int b = 0; b < NT; b++) _mm512_storeu_ps(out + (m * NT + b) * LANES, acc[m][b]);      \
 }
+
+/* fp32 x: each value widened to fp32 in a register (shift it to the top, arithmetic shift back). */
+#define STEP_WIDEN(BITS, x, K, kw, packed, part, MT, NT)                                           \
+    _Pragma("GCC unroll 8")                                                                         \
+    for (int j = 0; j < 32 / (BITS); j++) {                                                        \
+        __m512 wf[NT];                                                                              \
+        for (int b = 0; b < NT; b++)                                                                \
+            wf[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(                                           \
+                _mm512_slli_epi32(packed[b], 32 - (BITS) * (j + 1)), 32 - (BITS)));                \
+        const long k = kw * (32 / (BITS)) + j;                                                      \
+        for (int m = 0; m < MT; m++) {                                                              \
+            const __m512 xb = _mm512_set1_ps(x[m * K + k]);                                         \
+            for (int b = 0; b < NT; b++) part[m][b] = _mm512_fmadd_ps(wf[b], xb, part[m][b]);     \
+        }                                                                                           \
+    }
+
+/* One tile over fp32 x. */
+#define DEFINE_TILE(NAME, BITS, MT, NT) DEFINE_TILE_LOOP(NAME, float, 32 / (BITS), MT, NT, , STEP_WIDEN, BITS)
 #else
 /* Portable: the same arithmetic, one lane at a time. */
 #define DEFINE_TILE(NAME, BITS, MT, NT)                                                            \
@@ -112,51 +122,28 @@ DEFINE_TILE(tile4_4x2, 4, 4, 2)
  * multiplies the pair of x by each channel's pair, summing in fp32. Five instructions per 32
  * weights where widening to fp32 takes three per 16, and x is read as it is (bf16). */
 #define HAVE_BF16_INT4 1
-#define DEFINE_TILE4_BF16(NAME, MT, NT)                                                            \
-static void NAME(const void *xv, long K, const int32_t *w, long w_block, const float *s,         \
-                 long s_block, int G, float *out)                                                  \
-{                                                                                                   \
-    const uint16_t *x = (const uint16_t *)xv;                                                      \
-    uint16_t lut[32];                                                                               \
+#define BF16_INT4_TABLE                                                                             \
+    uint16_t lut[32];  /* bf16 of the signed nibble, twice (vpermw reads 5 index bits) */         \
     for (int n = 0; n < 32; n++) lut[n] = f32_to_bf16((float)((n & 15) < 8 ? (n & 15) : (n & 15) - 16)); \
-    const __m512i table = _mm512_loadu_si512(lut);                                                 \
-    __m512 acc[MT][NT];                                                                             \
-    for (int m = 0; m < MT; m++)                                                                    \
-        for (int b = 0; b < NT; b++) acc[m][b] = _mm512_setzero_ps();                              \
-    const long groups = K / G, words = G / 8;                                                      \
-    for (long g = 0; g < groups; g++) {                                                            \
-        __m512 part[MT][NT];                                                                        \
-        for (int m = 0; m < MT; m++)                                                                \
-            for (int b = 0; b < NT; b++) part[m][b] = _mm512_setzero_ps();                         \
-        for (long i = 0; i < words; i++) {                                                         \
-            const long kw = g * words + i;                                                         \
-            __m512i packed[NT];                                                                     \
-            for (int b = 0; b < NT; b++) packed[b] = _mm512_loadu_si512(w + b * w_block + kw * LANES); \
-            _Pragma("GCC unroll 4")                                                                 \
-            for (int j = 0; j < 4; j++) {  /* byte j: the values of inputs 8kw + 2j and + 1 */     \
-                __m512bh pairs[NT];                                                                 \
-                for (int b = 0; b < NT; b++) {                                                      \
-                    const __m512i t = _mm512_srli_epi32(packed[b], 8 * j);                          \
-                    const __m512i idx = _mm512_mask_blend_epi16(0xAAAAAAAAu, t, _mm512_slli_epi32(t, 12)); \
-                    pairs[b] = (__m512bh)_mm512_permutexvar_epi16(idx, table);                      \
-                }                                                                                   \
-                const long k = kw * 8 + 2 * j;                                                      \
-                for (int m = 0; m < MT; m++) {                                                      \
-                    int32_t xpair;                                                                  \
-                    memcpy(&xpair, x + m * K + k, sizeof xpair);                                    \
-                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(xpair);                         \
-                    for (int b = 0; b < NT; b++) part[m][b] = _mm512_dpbf16_ps(part[m][b], pairs[b], xb); \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
+    const __m512i table = _mm512_loadu_si512(lut);
+#define STEP_INT4_BF16(UNUSED, x, K, kw, packed, part, MT, NT)                                     \
+    _Pragma("GCC unroll 4")                                                                         \
+    for (int j = 0; j < 4; j++) {  /* byte j: the values of inputs 8kw + 2j and + 1 */             \
+        __m512bh pairs[NT];                                                                         \
         for (int b = 0; b < NT; b++) {                                                              \
-            const __m512 sv = _mm512_loadu_ps(s + b * s_block + g * LANES);                         \
-            for (int m = 0; m < MT; m++) acc[m][b] = _mm512_fmadd_ps(part[m][b], sv, acc[m][b]);   \
+            const __m512i t = _mm512_srli_epi32(packed[b], 8 * j);                                  \
+            const __m512i idx = _mm512_mask_blend_epi16(0xAAAAAAAAu, t, _mm512_slli_epi32(t, 12));  \
+            pairs[b] = (__m512bh)_mm512_permutexvar_epi16(idx, table);                              \
         }                                                                                           \
-    }                                                                                               \
-    for (int m = 0; m < MT; m++)                                                                    \
-        for (int b = 0; b < NT; b++) _mm512_storeu_ps(out + (m * NT + b) * LANES, acc[m][b]);      \
-}
+        const long k = kw * 8 + 2 * j;                                                              \
+        for (int m = 0; m < MT; m++) {                                                              \
+            int32_t xpair;                                                                          \
+            memcpy(&xpair, x + m * K + k, sizeof xpair);                                            \
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xpair);                                 \
+            for (int b = 0; b < NT; b++) part[m][b] = _mm512_dpbf16_ps(part[m][b], pairs[b], xb); \
+        }                                                                                           \
+    }
+#define DEFINE_TILE4_BF16(NAME, MT, NT) DEFINE_TILE_LOOP(NAME, uint16_t, 8, MT, NT, BF16_INT4_TABLE, STEP_INT4_BF16, 0)
 DEFINE_TILE4_BF16(tile4bf_1x4, 1, 4)
 DEFINE_TILE4_BF16(tile4bf_2x4, 2, 4)
 DEFINE_TILE4_BF16(tile4bf_4x2, 4, 2)
