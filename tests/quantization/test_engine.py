@@ -129,15 +129,14 @@ def tensor_bytes(obj, seen=None) -> int:
             return 0
         seen.add(key)
         return size
-    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None), Path)) or callable(obj) and not hasattr(
-            obj, "__dict__"):
+    if id(obj) in seen:
         return 0
     seen.add(id(obj))
     if isinstance(obj, dict):
         return sum(tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v, seen) for v in obj)
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith(("services.", "kernels.")):
+    if type(obj).__module__.startswith(("services.", "kernels.")) and hasattr(obj, "__dict__"):  # our objects
         return sum(tensor_bytes(v, seen) for k, v in vars(obj).items() if k not in ("config", "ops", "attn", "rope"))
     return 0
 
