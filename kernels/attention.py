@@ -11,6 +11,11 @@ GQA: query head ``j`` uses KV head ``j // group`` (``group = Hq // Hkv``), as in
 HF ``repeat_kv``. Every attention program owns one KV head and all of its
 ``group`` query heads, so each K/V tile is read from memory once per KV head.
 
+fp8 caches (kv_cache_dtype=fp8): every kernel also takes ``k_scales``/``v_scales``,
+fp32 ``[num_blocks, block_size, num_kv_heads]``, a scale per token and KV head; a
+cached row is ``fp8 * scale`` (the store kernel picks ``scale = max|row| / 448``),
+widened to the query's dtype as each tile is loaded.
+
 All launchers avoid host<->device synchronization (no ``.item()``), so they can
 be captured in CUDA graphs.
 """
@@ -26,6 +31,7 @@ import triton.language as tl
 from ._utils import check_device, dot_in_fp32, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 value
 
 
 @triton.jit
@@ -46,11 +52,11 @@ def _mma(a, b, FP32: tl.constexpr):
 
 @triton.jit
 def _store_kv_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     num_heads, head_dim,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -65,11 +71,35 @@ def _store_kv_cache_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if SCALED:  # fp8: a scale per (token, head) that maps the row's largest value to FP8_MAX
+        h_mask = offs_h < num_heads
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        ks = tl.max(tl.abs(k), 1) / FP8_MAX
+        vs = tl.max(tl.abs(v), 1) / FP8_MAX
+        ks = tl.where(ks > 0.0, ks, 1.0)
+        vs = tl.where(vs > 0.0, vs, 1.0)
+        k = _round_to_e4m3(k / ks[:, None])
+        v = _round_to_e4m3(v / vs[:, None])
+        tl.store(k_scale_ptr + slot * num_heads + offs_h, ks, mask=h_mask)
+        tl.store(v_scale_ptr + slot * num_heads + offs_h, vs, mask=h_mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value (ties to even), so that the
+    conversion to fp8 is exact: normal values keep 3 mantissa bits (rounding on the bits carries
+    into the exponent), subnormal ones (|x| < 2^-6) become multiples of 2^-9. (The Triton
+    interpreter's own fp32 -> fp8 rounding loses that carry: 124.3 became 64.)"""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # clear the low 20 of 23 mantissa bits
+    sub = tl.floor(x * 512.0 + 0.5) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, sub, bits.to(tl.float32, bitcast=True))
+
+
+def store_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None) -> None:
     """Write ``key[i]``/``value[i]`` (``[num_tokens, num_kv_heads, head_dim]``) into
     slot ``slot_mapping[i]`` of the paged caches, in place. Slots equal to -1 are
     skipped. key/value may be strided views (e.g. slices of a fused qkv output)
@@ -80,14 +110,25 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    scaled = _check_scales(k_cache, k_scales, v_scales)
     _store_kv_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scales if scaled else slot_mapping,
+        v_scales if scaled else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, head_dim,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), SCALED=scaled,
         num_warps=4,
     )
+
+
+def _check_scales(k_cache, k_scales, v_scales) -> bool:
+    """Whether the caches come with per-(token, KV head) scales (fp8 caches); checks them."""
+    if k_scales is None and v_scales is None:
+        return False
+    for sc in (k_scales, v_scales):
+        assert sc is not None and sc.dtype == torch.float32 and sc.is_contiguous() and sc.shape == k_cache.shape[:3]
+    return True
 
 
 # ----------------------------------------------------------------------------
@@ -96,8 +137,19 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 @triton.jit
+def _widen(x, scale_ptr, slots, kvh, num_kv_heads, n_mask, dtype: tl.constexpr, AXIS: tl.constexpr):
+    """An fp8 K ([D, N], AXIS 0) or V ([N, D], AXIS 1) tile times its rows' scales, in `dtype`."""
+    sc = tl.load(scale_ptr + slots * num_kv_heads + kvh, mask=n_mask, other=0.0)
+    if AXIS == 0:
+        out = x.to(tl.float32) * sc[None, :]
+    else:
+        out = x.to(tl.float32) * sc[:, None]
+    return out.to(dtype)
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -105,7 +157,7 @@ def _decode_split_kernel(
     head_dim,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_FP32: tl.constexpr, SCALED: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -146,6 +198,8 @@ def _decode_split_kernel(
         # K loaded transposed ([D, N]) so the score tile is a plain dot.
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None],
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if SCALED:
+            k = _widen(k, k_scale_ptr, blk * PAGE_SIZE + pos % PAGE_SIZE, kvh, num_kv_heads, n_mask, q.dtype, 0)
         s = _mma(q, k, DOT_FP32) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile has >= 1 valid token, so m_new is finite from the first tile.
@@ -155,6 +209,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if SCALED:
+            v = _widen(v, v_scale_ptr, blk * PAGE_SIZE + pos % PAGE_SIZE, kvh, num_kv_heads, n_mask, q.dtype, 1)
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
 
@@ -234,6 +290,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: Optional[int] = None,
     max_context_len: Optional[int] = None,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [batch, Hq, D]`` (one token per sequence) over the
     first ``context_lens[b]`` cached tokens (which include the token itself).
@@ -265,8 +323,9 @@ def paged_decode_attention(
         part_m = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
     block_d = next_pow2(head_dim)
+    scaled = _check_scales(k_cache, k_scales, v_scales)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens,
+        query, k_cache, v_cache, k_scales if scaled else out, v_scales if scaled else out, block_tables, context_lens,
         out, part_acc, part_m, part_l,
         scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -274,7 +333,7 @@ def paged_decode_attention(
         head_dim,
         GROUP=group, PAGE_SIZE=page_size,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=_DECODE_BLOCK_N[dev], BLOCK_D=block_d,
-        DIRECT=direct, DOT_FP32=dot_in_fp32(query),
+        DIRECT=direct, DOT_FP32=dot_in_fp32(query), SCALED=scaled,
         num_warps=4, num_stages=2,
     )
     if not direct:
@@ -294,17 +353,19 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, query_start_loc_ptr,
+    context_lens_ptr, out_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     head_dim,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, SCALED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
 
     # Map the flat program id to (sequence, query tile) without any host sync:
     # sequence b owns program ids [qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1),
@@ -358,6 +419,8 @@ def _prefill_kernel(
         kv_off = blk * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None],
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if SCALED:
+            k = _widen(k, k_scale_ptr, blk * PAGE_SIZE + pos % PAGE_SIZE, kvh, num_kv_heads, n_mask, q.dtype, 0)
         s = _mma(q, k, DOT_FP32) * scale_log2
         # Position 0 is visible to every row (q_pos >= 0), so each row's running
         # max is finite after the first tile; fully masked rows later are fine.
@@ -368,6 +431,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if SCALED:
+            v = _widen(v, v_scale_ptr, blk * PAGE_SIZE + pos % PAGE_SIZE, kvh, num_kv_heads, n_mask, q.dtype, 1)
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
 
@@ -388,6 +453,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Extend/prefill attention over the paged cache (chunked prefill, prefix caching).
 
@@ -413,15 +480,17 @@ def paged_prefill_attention(
     block_q = block_m // block_g
     # Upper bound on query tiles (see the kernel's sequence search).
     grid = (total // block_q + num_seqs, num_kv_heads)
+    scaled = _check_scales(k_cache, k_scales, v_scales)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        query, k_cache, v_cache, k_scales if scaled else out, v_scales if scaled else out, block_tables,
+        query_start_loc, context_lens, out,
         scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
         GROUP=group, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), DOT_FP32=dot_in_fp32(query),
+        BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), DOT_FP32=dot_in_fp32(query), SCALED=scaled,
         num_warps=4, num_stages=2,
     )
     return out

@@ -496,6 +496,8 @@ class Heartbeat(Message):
     tokens_per_s: float = 0.0
     block_size: int = 16
     max_num_seqs: int = 64
+    quantization: str = ""  # the weights as the replica runs them: none, int8, int4, fp8 ("": not said)
+    kv_cache_dtype: str = ""  # auto (the model's dtype), int8, fp8
     accepted_total: int = 0  # requests accepted so far: running/waiting include every one up to here
     timestamp: float = 0.0
     revision: int = 0  # the deployment revision this replica serves (0: not managed by control)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
+                                                                 "quant_linear.c")]
 _HEADERS = [Path(__file__).with_name("strata_math.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -64,8 +65,9 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     for suffix in ("f32", "bf16"):
-        fn = getattr(lib, f"strata_paged_decode_attention_{suffix}")
-        fn.restype, fn.argtypes = ctypes.c_int, [p] * 6 + [i] * 6 + [f, i]
+        for cache in ("", "i8_"):  # caches in the model's dtype, or int8 with their scales
+            fn = getattr(lib, f"strata_paged_decode_attention_{cache}{suffix}")
+            fn.restype, fn.argtypes = ctypes.c_int, [p] * 6 + [i] * 6 + [f, i, p, p]
         fn = getattr(lib, f"strata_rms_norm_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
         fn = getattr(lib, f"strata_rotary_{suffix}")
@@ -78,6 +80,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
         fn = getattr(lib, f"strata_sample_rows_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
+        fn = getattr(lib, f"strata_qlinear_{suffix}")  # kernels/cpu/quant.py
+        fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, i, p, i, n, p, p, n, i]
     return lib
 
 
@@ -100,24 +104,36 @@ def load() -> ctypes.CDLL | None:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the paged cache (fp32 or bf16 CPU tensors, all of one dtype); same
-    contract as the Triton kernel."""
+                           out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention over the paged cache (fp32 or bf16 CPU tensors, all of one dtype; or
+    int8 caches with their fp32 scales [num_blocks, block_size, num_kv_heads] under an fp32 or
+    bf16 query); same contract as the Triton kernel."""
     lib = load()
     if lib is None:
         raise RuntimeError("CPU kernels unavailable (no C compiler)")
+    int8 = k_cache.dtype == torch.int8
+    cache_dtype = torch.int8 if int8 else query.dtype
     for t in (query, k_cache, v_cache):
-        if t.dtype != query.dtype or t.dtype not in KERNEL_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 or bf16 CPU tensors of one dtype")
+        if (t.dtype != (query.dtype if t is query else cache_dtype) or query.dtype not in KERNEL_DTYPES
+                or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 or bf16 CPU tensors of one dtype, "
+                             "or int8 caches")
+    if int8:
+        if k_scales is None or v_scales is None or any(
+                s.dtype != torch.float32 or not s.is_contiguous() or s.shape != k_cache.shape[:3]
+                for s in (k_scales, v_scales)):
+            raise ValueError("int8 caches need contiguous fp32 scales of shape [num_blocks, block_size, num_kv_heads]")
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query) if out is None else out
-    rc = getattr(lib, f"strata_paged_decode_attention_{KERNEL_DTYPES[query.dtype]}")(
+    rc = getattr(lib, f"strata_paged_decode_attention_{'i8_' if int8 else ''}{KERNEL_DTYPES[query.dtype]}")(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1] if block_tables.dim() == 2 else 0, float(scale), torch.get_num_threads())
+        block_tables.shape[1] if block_tables.dim() == 2 else 0, float(scale), torch.get_num_threads(),
+        k_scales.data_ptr() if int8 else None, v_scales.data_ptr() if int8 else None)
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention (CPU) failed with code {rc}")
     return out

@@ -11,7 +11,10 @@
  * spans of a sequence are then merged exactly (the flash-decoding combine). All arithmetic in
  * fp32; bf16 is widened on load (its bits are the top half of an fp32).
  *
- * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+ * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. An int8 cache
+ * (kv_cache_dtype=int8) has a scale per token and KV head beside it, fp32 [num_blocks,
+ * block_size, num_kv_heads]: a score is the int8 dot product times its K row's scale, and a V
+ * row is widened and multiplied by its scale once for the whole query group.
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,20 +86,46 @@ static void scores16_bf16(const uint16_t *q, const uint16_t *k, long row, int he
 #endif
     _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
+
+/* int8 K rows (their scales applied by the caller): the fp32 query against widened integers. */
+static void scores16_i8(const float *q, const int8_t *k, long row, int head_dim, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 16) {
+        const __mmask16 m = head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, k + j * row + d))),
+                                     qv, acc[j]);
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
 #define SCORES16_F32(q, k, row, d, scale, out) scores16_f32(q, k, row, d, scale, out)
 #define SCORES16_BF16(q, k, row, d, scale, out) scores16_bf16(q, k, row, d, scale, out)
+#define SCORES16_I8(q, k, row, d, scale, out) scores16_i8(q, k, row, d, scale, out)
 #else
 #define HAVE_SCORES16 0
 #define SCORES16_F32(q, k, row, d, scale, out) ((void)0)
 #define SCORES16_BF16(q, k, row, d, scale, out) ((void)0)
+#define SCORES16_I8(q, k, row, d, scale, out) ((void)0)
 #endif
 
-/* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]; qn: the same in
- * the cache's dtype. Writes per head
+#define LOAD_I8(p, i) ((float)(p)[i])
+/* A cached row's scale: 1 for full-precision caches (folded away), else its entry. */
+#define NO_SCALE(scales, slot, kv_head, num_kv_heads) 1.f
+#define ROW_SCALE(scales, slot, kv_head, num_kv_heads) ((scales)[(long)(slot) * (num_kv_heads) + (kv_head)])
+/* The query a span's SCORES16 reads: in the cache's own dtype (fp32, bf16 pairs for vdpbf16ps),
+ * or the fp32 one for int8 caches. */
+#define Q_NATIVE(qf, qb) (qb)
+#define Q_FP32(qf, qb) (qf)
+
+/* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]; qn: the query
+ * SCORES16 reads (type TQ). k_scales/v_scales: the int8 cache's scales (unused otherwise). Writes per head
  * h: stats[2h] = max score, stats[2h + 1] = sum of exp(score - max), acc[h] = sum of
  * exp(score - max) * v (unnormalized). scores: scratch of num_heads * (t1 - t0) floats. */
-#define DEFINE_SPAN(NAME, T, LOAD, SCORES16)                                                       \
-static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache,                 \
+#define DEFINE_SPAN(NAME, T, TQ, LOAD, SCORES16, SCALE)                                            \
+static void NAME(const float *q, const TQ *qn, const T *k_cache, const T *v_cache,                \
+                 const float *k_scales, const float *v_scales,                                     \
                  const int32_t *table, int t0, int t1, int num_heads, int num_kv_heads,            \
                  int head_dim, int block_size, float scale, float *scores, float *stats, float *acc) \
 {                                                                                                   \
@@ -106,6 +135,7 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
     for (int t = t0; t < t1;) {  /* a run of consecutive rows: the span's part of one block */    \
         const int offset = t % block_size, run = t1 - t < block_size - offset ? t1 - t : block_size - offset; \
         const T *krow0 = k_cache + (long)table[t / block_size] * block_stride + (long)offset * row; \
+        const long slot0 = (long)table[t / block_size] * block_size + offset;                      \
         if (t + run < t1) {  /* the next block lives elsewhere: start fetching it now */           \
             const char *next = (const char *)(k_cache + (long)table[(t + run) / block_size] * block_stride); \
             for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
@@ -113,9 +143,12 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
         int j = 0;                                                                                  \
         if (HAVE_SCORES16)                                                                          \
             for (; j + 16 <= run; j += 16)                                                          \
-                for (int h = 0; h < num_heads; h++)                                                \
+                for (int h = 0; h < num_heads; h++) {                                              \
+                    float *sh = scores + (long)h * n + (t - t0) + j;                                \
                     SCORES16(qn + (long)h * head_dim, krow0 + (long)j * row + (long)(h / group) * head_dim, \
-                             row, head_dim, scale, scores + (long)h * n + (t - t0) + j);            \
+                             row, head_dim, scale, sh);                                             \
+                    for (int i = 0; i < 16; i++) sh[i] *= SCALE(k_scales, slot0 + j + i, h / group, num_kv_heads); \
+                }                                                                                   \
         for (; j < run; j++) {                                                                     \
             const T *krow = krow0 + (long)j * row;                                                 \
             for (int h = 0; h < num_heads; h++) {                                                  \
@@ -124,7 +157,7 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
                 float s = 0.f;                                                                     \
                 _Pragma("omp simd reduction(+:s)")                                                 \
                 for (int d = 0; d < head_dim; d++) s += qh[d] * LOAD(kh, d);                       \
-                scores[(long)h * n + (t - t0) + j] = s * scale;                                    \
+                scores[(long)h * n + (t - t0) + j] = s * scale * SCALE(k_scales, slot0 + j, h / group, num_kv_heads); \
             }                                                                                      \
         }                                                                                          \
         t += run;                                                                                  \
@@ -145,10 +178,12 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
             const char *next = (const char *)(v_cache + (long)table[t / block_size + 1] * block_stride); \
             for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
         }                                                                                           \
+        const long slot = (long)table[t / block_size] * block_size + t % block_size;               \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                \
             const T *vh = vrow + (long)kh * head_dim;                                              \
+            const float vs = SCALE(v_scales, slot, kh, num_kv_heads);                              \
             _Pragma("omp simd")                                                                    \
-            for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vh, d);                                \
+            for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vh, d) * vs;                           \
             for (int h = kh * group; h < (kh + 1) * group; h++) {                                  \
                 const float p = scores[(long)h * n + (t - t0)];                                    \
                 float *ah = acc + (long)h * head_dim;                                              \
@@ -159,14 +194,17 @@ static void NAME(const float *q, const T *qn, const T *k_cache, const T *v_cache
     }                                                                                              \
 }
 
-DEFINE_SPAN(span_f32, float, LOAD_F32, SCORES16_F32)
-DEFINE_SPAN(span_bf16, uint16_t, LOAD_BF16, SCORES16_BF16)
+DEFINE_SPAN(span_f32, float, float, LOAD_F32, SCORES16_F32, NO_SCALE)
+DEFINE_SPAN(span_bf16, uint16_t, uint16_t, LOAD_BF16, SCORES16_BF16, NO_SCALE)
+DEFINE_SPAN(span_i8, int8_t, float, LOAD_I8, SCORES16_I8, ROW_SCALE)
 
-/* q/out: [batch, num_heads, head_dim] of T; block_tables [batch, max_blocks]; context_lens [batch]. */
-#define DEFINE_KERNEL(NAME, T, SPAN, WIDEN, NARROW)                                                \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,            \
+/* q/out: [batch, num_heads, head_dim] of T; caches of TC (with k_scales/v_scales for int8,
+ * NULL otherwise); block_tables [batch, max_blocks]; context_lens [batch]. */
+#define DEFINE_KERNEL(NAME, T, TC, SPAN, WIDEN, NARROW, QN)                                        \
+int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables,          \
          const int32_t *context_lens, T *out, int batch, int num_heads, int num_kv_heads,          \
-         int head_dim, int block_size, int max_blocks, float scale, int num_threads)               \
+         int head_dim, int block_size, int max_blocks, float scale, int num_threads,               \
+         const float *k_scales, const float *v_scales)                                             \
 {                                                                                                   \
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;                             \
     if (num_threads < 1) num_threads = 1;                                                          \
@@ -207,7 +245,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
             float *qf = work + (size_t)num_heads * (t1 - t0);                                      \
             const T *qb = q + (long)b * n;                                                         \
             for (long i = 0; i < n; i++) qf[i] = WIDEN(qb[i]);                                     \
-            SPAN(qf, qb, k_cache, v_cache, block_tables + (long)b * max_blocks, t0, t1, num_heads, \
+            SPAN(qf, QN(qf, qb), k_cache, v_cache, k_scales, v_scales, block_tables + (long)b * max_blocks, t0, t1, num_heads, \
                  num_kv_heads, head_dim, block_size, scale, work, stats, acc);                     \
             free(work);                                                                             \
         }                                                                                           \
@@ -241,5 +279,8 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     return failed ? -2 : 0;                                                                         \
 }
 
-DEFINE_KERNEL(strata_paged_decode_attention_f32, float, span_f32, IDENTITY, IDENTITY)
-DEFINE_KERNEL(strata_paged_decode_attention_bf16, uint16_t, span_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_KERNEL(strata_paged_decode_attention_f32, float, float, span_f32, IDENTITY, IDENTITY, Q_NATIVE)
+DEFINE_KERNEL(strata_paged_decode_attention_bf16, uint16_t, uint16_t, span_bf16, bf16_to_f32, f32_to_bf16, Q_NATIVE)
+/* int8 caches (kv_cache_dtype=int8) under fp32 and bf16 models. */
+DEFINE_KERNEL(strata_paged_decode_attention_i8_f32, float, int8_t, span_i8, IDENTITY, IDENTITY, Q_FP32)
+DEFINE_KERNEL(strata_paged_decode_attention_i8_bf16, uint16_t, int8_t, span_i8, bf16_to_f32, f32_to_bf16, Q_FP32)

@@ -32,6 +32,7 @@ import yaml
 from services.control.canary import parse_analysis
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
+from services.engine.quantization import support as quantization_support
 from shared.deployments import NAME_RE, DeploymentSpec, Limits, Replicas, Scaling, Slo, parse_placement
 from services.scheduler.policy import POLICIES
 
@@ -178,6 +179,7 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     elif scaling.panic_window_s > scaling.stable_window_s:
         errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
                                                  f"stable_window_s ({scaling.stable_window_s:g})"))
+    _check_precision(engine, errors)
 
     limits = _section(data.get("limits"), Limits, "limits", errors)
     if limits.default_max_tokens < 1:
@@ -199,3 +201,13 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement,
                           limits=limits)
+
+
+def _check_precision(engine: dict, errors: list) -> None:
+    """engine.quantization and engine.kv_cache_dtype against what engine.device runs."""
+    values = {key: engine.get(key, default) for key, default in
+              (("quantization", None), ("kv_cache_dtype", "auto"), ("device", "cpu"))}
+    if all(v is None or isinstance(v, str) for v in values.values()):  # wrong types are reported above
+        for key, reason in quantization_support.check(values["quantization"], values["kv_cache_dtype"],
+                                                      values["device"]):
+            errors.append((f"engine.{key}", reason))

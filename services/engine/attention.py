@@ -51,9 +51,7 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -61,6 +59,12 @@ class TorchAttention:
         if meta.num_prefill_tokens:
             self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])
         return out
+
+    def _store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        """The step's new K and V rows into their cache slots."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
 
     def _gather(self, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Blocks listed in index, as [len(index) * block_size, Hkv, D]."""

@@ -10,6 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.engine.quantization import support as quantization_support
+
 
 def arg(default: Any, help: str, *, key: str | None = None, spec: bool = True) -> Any:
     """A field of EngineArgs. `key`: its name in a deployment spec and as a flag (--key with
@@ -27,6 +29,11 @@ class EngineArgs:
     enable_prefix_caching: bool = arg(True, "reuse cached KV blocks across requests with a shared prefix")
     dtype: str = arg("auto", "auto (the checkpoint's dtype where the device runs it natively), float32, "
                              "float16, bfloat16")
+    quantization: str | None = arg(None, "weights the kernels read packed: int8 (per output channel), int4 "
+                                         "(groups of 128), fp8 (GPU only); default: the checkpoint's "
+                                         "quantization_config (compressed-tensors), else none")
+    kv_cache_dtype: str = arg("auto", "auto (the model's dtype), int8 (CPU) or fp8 (GPU), with a scale per "
+                                      "token and KV head")
     device: str = arg("cpu", "cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto (triton on CUDA, torch elsewhere), torch, triton")
     gpu_memory_utilization: float = arg(0.9, "share of the GPU's free memory the engine may take")
@@ -50,6 +57,9 @@ class EngineArgs:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        errors = quantization_support.check(self.quantization, self.kv_cache_dtype, self.device)
+        if errors:
+            raise ValueError("; ".join(f"{name}: {reason}" for name, reason in errors))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":

@@ -211,6 +211,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions,
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
+            "quantization": self.runner.quantization.name, "kv_cache_dtype": self.runner.kv_cache_dtype,
             "used_blocks": bm.num_used_blocks,
             "cached_blocks": len(bm.cached),
             "running": len(sched.running),

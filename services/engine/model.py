@@ -21,16 +21,24 @@ LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
 LAYER_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 
+def dense_linear(ckpt: Checkpoint, modules: list[str], dtype: torch.dtype, device: torch.device,
+                 bias: bool = False) -> Linear:
+    """The projection of checkpoint modules (fused along the output dimension) in the model's
+    dtype. A quantized model loads its projections through another function of this signature
+    (services.engine.quantization.loader)."""
+    return Linear(ckpt.fused([f"{m}.weight" for m in modules], dtype, device),
+                  ckpt.fused([f"{m}.bias" for m in modules], dtype, device) if bias else None)
+
+
 class LlamaLayer:
     def __init__(self, ckpt: Checkpoint, prefix: str, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, load_linear=dense_linear):
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         proj = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
-        self.qkv = Linear(ckpt.fused([f"{p}.weight" for p in proj], dtype, device),
-                          ckpt.fused([f"{p}.bias" for p in proj], dtype, device) if config.attention_bias else None)
-        self.o = Linear(ckpt.get(f"{a}.o_proj.weight", dtype, device))
-        self.gate_up = Linear(ckpt.fused([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], dtype, device))
-        self.down = Linear(ckpt.get(f"{m}.down_proj.weight", dtype, device))
+        self.qkv = load_linear(ckpt, proj, dtype, device, bias=config.attention_bias)
+        self.o = load_linear(ckpt, [f"{a}.o_proj"], dtype, device)
+        self.gate_up = load_linear(ckpt, [f"{m}.gate_proj", f"{m}.up_proj"], dtype, device)
+        self.down = load_linear(ckpt, [f"{m}.down_proj"], dtype, device)
         self.input_norm = ckpt.get(f"{prefix}.input_layernorm.weight", dtype, device)
         self.post_norm = ckpt.get(f"{prefix}.post_attention_layernorm.weight", dtype, device)
         self.q_norm = ckpt.get(f"{a}.q_norm.weight", dtype, device) if config.qk_norm else None
@@ -38,15 +46,16 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops, load_linear=dense_linear):
         self.config, self.dtype, self.device, self.ops = config, dtype, device, ops
         ckpt = Checkpoint(config.path)
         self.embed = ckpt.get("model.embed_tokens.weight", dtype, device)
         # Tied embeddings: the lookup reads the plain table, the logits a packed copy of it.
-        tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
-        self.lm_head = Linear(self.embed if tied else ckpt.get("lm_head.weight", dtype, device))
+        tied = config.tie_word_embeddings or not (ckpt.has("lm_head.weight") or ckpt.has("lm_head.weight_packed"))
+        self.lm_head = Linear(self.embed) if tied else load_linear(ckpt, ["lm_head"], dtype, device)
         self.norm = ckpt.get("model.norm.weight", dtype, device)
-        self.layers = [LlamaLayer(ckpt, f"model.layers.{i}", config, dtype, device) for i in range(config.num_layers)]
+        self.layers = [LlamaLayer(ckpt, f"model.layers.{i}", config, dtype, device, load_linear)
+                       for i in range(config.num_layers)]
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.rope = compute_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,

@@ -17,6 +17,8 @@ from services.engine.backends import select_ops
 from services.engine.config import EngineArgs
 from services.engine.model import LlamaModel
 from services.engine.model_config import ModelConfig
+from services.engine.quantization import kv_cache as quantized_kv
+from services.engine.quantization.loader import linear_loader, resolve as resolve_quantization
 from services.engine.sampler import SampleResult, Sampler
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -90,14 +92,16 @@ class ModelRunner:
             _keep_freed_memory_on_cpu()
             if args.num_threads:
                 torch.set_num_threads(args.num_threads)
-        self.ops = select_ops(self.device, args.attention_backend)
-        self.model = LlamaModel(config, self.dtype, self.device, self.ops)
+        # Quantization (services.engine.quantization): of the weights, as the checkpoint or the
+        # `quantization` argument says; of the KV cache, as kv_cache_dtype says.
+        self.quantization = resolve_quantization(args.quantization, config.path)
+        self.kv_cache_dtype = args.kv_cache_dtype
+        self.ops = quantized_kv.attention_ops(select_ops(self.device, args.attention_backend), args.kv_cache_dtype)
+        self.model = LlamaModel(config, self.dtype, self.device, self.ops, linear_loader(self.quantization))
         self.block_size = args.block_size
         self.num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(config.num_layers)]
+        self.kv_caches = quantized_kv.allocate(args.kv_cache_dtype, config.num_layers, shape, self.dtype, self.device)
         self.sampler = Sampler(config.vocab_size, self.device)
         self.graphs = None
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
@@ -117,7 +121,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.block_size * quantized_kv.bytes_per_token(self.kv_cache_dtype, self.dtype, c.num_layers,
+                                                              c.num_kv_heads, c.head_dim)
 
     def _auto_num_blocks(self) -> int:
         """Size the cache from what the device has."""

@@ -375,6 +375,7 @@ class EngineWorker:
             state=self.state, running=stats["running"],
             waiting=max(self.engine.num_open_streams - stats["running"], stats["waiting"]),
             kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
+            quantization=stats["quantization"], kv_cache_dtype=stats["kv_cache_dtype"],
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
             tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
             max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,

@@ -15,21 +15,27 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_cache, v_cache, scales = self._caches(k_cache, v_cache)
+        kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         nd = meta.num_decodes
         if not meta.num_prefill_tokens:  # decode-only steps (and CUDA graphs): no copy
             # max_context_len=None bounds splits by the block table width: no host sync.
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, self.scale)
+                                                  meta.decode_context_lens, self.scale, **scales)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, self.scale,
-                                                      max_context_len=meta.decode_max_context)
+                                                      max_context_len=meta.decode_max_context, **scales)
         out[nd:] = kernels.paged_prefill_attention(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                                                    meta.prefill_query_start_loc, meta.prefill_context_lens,
-                                                   self.scale)
+                                                   self.scale, **scales)
         return out
+
+    @staticmethod
+    def _caches(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The cache tensors the kernels read, and their scales (quantized caches only)."""
+        return k_cache, v_cache, {}
 
 
 class TritonOps:

@@ -31,6 +31,7 @@ from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
+from services.gateway.replica_info import replica_precision
 from shared import http, http_limits, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.deployments import Deployment, DeploymentWatcher
@@ -382,9 +383,10 @@ class GatewayService:
 
     async def list_models(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
+        replicas = await replica_precision(self.redis, list(self.models))  # each replica's quantization
         return web.json_response({"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": "strata",
-             "max_model_len": m.max_model_len} for m in self.models.values()] + [
+             "max_model_len": m.max_model_len, **replicas[m.name]} for m in self.models.values()] + [
             {"id": alias, "object": "model", "created": self.models[target].created, "owned_by": "strata",
              "root": target, "max_model_len": self.models[target].max_model_len}
             for alias, target in self.aliases.items() if target in self.models]})

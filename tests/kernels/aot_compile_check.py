@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import kernels.activation as ACT  # noqa: E402
 import kernels.attention as A  # noqa: E402
 import kernels.norm as N  # noqa: E402
+import kernels.quant_matmul as Q  # noqa: E402
 import kernels.rotary as R  # noqa: E402
 
 # Sizes the GPU launchers use (kernels.attention._DECODE_BLOCK_N / _PREFILL_BLOCKS).
@@ -51,13 +52,17 @@ def compile_kernel(kern, types, consts, arch, num_warps=4, num_stages=2):
 
 def variants():
     i32 = "i32"
-    for dt, fp32 in (("bf16", False), ("fp32", True)):
+    # (query dtype, cache dtype): the model's own cache, or fp8 with scales (kv_cache_dtype=fp8).
+    for dt, cache, fp32 in (("bf16", "bf16", False), ("fp32", "fp32", True), ("bf16", "fp8e4nv", False)):
         p = "*" + dt
-        attn = dict(k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", context_lens_ptr="*i32",
+        scaled = cache.startswith("fp8")
+        attn = dict(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    block_tables_ptr="*i32", context_lens_ptr="*i32",
                     scale_log2="fp32", stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, head_dim=i32)
+        dt = dt if not scaled else f"{dt} cache {cache}"
         for direct in (True, False):
             consts = dict(GROUP=4, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=DECODE_BLOCK_N, BLOCK_D=128,
-                          DIRECT=direct, DOT_FP32=fp32)
+                          DIRECT=direct, DOT_FP32=fp32, SCALED=scaled)
             if direct:
                 consts["num_splits"] = 1  # what Triton's value specialization of 1 produces
             yield (f"decode_split {dt} direct={direct}", A._decode_split_kernel,
@@ -67,22 +72,34 @@ def variants():
                dict(attn, q_ptr=p, out_ptr=p, query_start_loc_ptr="*i32", num_seqs=i32,
                     stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32),
                dict(GROUP=4, PAGE_SIZE=16, BLOCK_Q=PREFILL_BLOCK_M // 4, BLOCK_G=4, BLOCK_M=PREFILL_BLOCK_M,
-                    BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=128, DOT_FP32=fp32, num_seqs=1))
+                    BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=128, DOT_FP32=fp32, num_seqs=1, SCALED=scaled))
+    # Weight-only quantized matmuls as kernels.quant_matmul launches them (decode and prefill tiles).
+    for mode, name, w_type, group in ((Q.MODE_INT8, "int8", "*i8", 896), (Q.MODE_INT4, "int4", "*u8", 128),
+                                      (Q.MODE_FP8, "fp8", "*u8", 896)):
+        for block_m in (16, 64):
+            yield (f"quant_matmul {name} bf16 block_m={block_m}", Q._quant_matmul_kernel,
+                   dict(x_ptr="*bf16", w_ptr=w_type, s_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", M=i32, N=i32,
+                        K=i32, stride_xm=i32, stride_wn=i32, stride_sn=i32, stride_ym=i32),
+                   dict(GROUP=group, MODE=mode, HAS_BIAS=True, FP32=False, BLOCK_M=block_m, BLOCK_N=64,
+                        BLOCK_K=Q._block_k(group, 896)))
     p = "*bf16"
     yield ("prefill bf16 group=8", A._prefill_kernel,
-           dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
+           dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                block_tables_ptr="*i32", query_start_loc_ptr="*i32",
                 context_lens_ptr="*i32", out_ptr=p, scale_log2="fp32", num_seqs=i32, stride_qt=i32, stride_qh=i32,
                 stride_ot=i32, stride_oh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32,
                 head_dim=i32),
            dict(GROUP=8, PAGE_SIZE=16, BLOCK_Q=PREFILL_BLOCK_M // 8, BLOCK_G=8, BLOCK_M=PREFILL_BLOCK_M,
-                BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=64, DOT_FP32=False))
+                BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=64, DOT_FP32=False, SCALED=False))
     yield ("decode_merge bf16", A._decode_merge_kernel,
            dict(out_ptr=p, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", num_splits=i32,
                 stride_ob=i32, stride_oh=i32, head_dim=i32), dict(BLOCK_S=32, BLOCK_D=128))
-    yield ("store_kv_cache bf16", A._store_kv_cache_kernel,
-           dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64", stride_kt=i32,
-                stride_kh=i32, stride_vt=i32, stride_vh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32,
-                num_heads=i32, head_dim=i32), dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128))
+    for cache in ("bf16", "fp8e4nv"):
+        yield (f"store_kv_cache bf16 cache {cache}", A._store_kv_cache_kernel,
+               dict(key_ptr=p, value_ptr=p, k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, slot_ptr="*i64",
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", stride_kt=i32, stride_kh=i32, stride_vt=i32,
+                    stride_vh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, num_heads=i32, head_dim=i32),
+               dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, SCALED=cache != "bf16"))
     yield ("rms_norm bf16 residual", N._rms_norm_kernel,
            dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, res_out_ptr=p, stride_x=i32, stride_r=i32, stride_o=i32,
                 stride_ro=i32, hidden=i32, eps="fp32"), dict(HAS_RES=True, BLOCK=4096))
