@@ -61,12 +61,13 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str) -> torch.dtype:
 # One engine step, phase by phase (seconds). `other` is the step's wall time minus the named
 # phases: Python between them, lock and GIL waits, the debug delay; on a GPU, whatever the host
 # does while the device waits shows up in it rather than vanishing into `forward`.
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
+STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
 
 
 @dataclass
 class StepTimings:
     schedule: float = 0.0  # host: choosing the batch, allocating blocks
+    propose: float = 0.0  # speculative decoding: n-gram lookups or the draft model's forwards
     prepare: float = 0.0  # host: building the input tensors
     forward: float = 0.0  # device: the model forward and logits (synchronized on CUDA)
     sample: float = 0.0
@@ -99,6 +100,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(config.num_layers)]
         self.sampler = Sampler(config.vocab_size, self.device)
+        # Speculative decoding: samples the steps that verify drafts (spec_decode.Verifier).
+        self.verifier = None
         self.graphs = None
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -149,7 +152,10 @@ class ModelRunner:
         slots: list[int] = []
         for seq, n in order:
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
+            if seq.spec_token_ids:  # the last token, then the drafts to verify after it
+                input_ids.extend((seq.token_ids[start:] + seq.spec_token_ids)[:n])
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             if n == 1:
@@ -183,14 +189,16 @@ class ModelRunner:
             prefill_query_lens_host=prefill_qlens,
             prefill_context_lens_host=prefill_ctx,
         )
-        # Sample only for sequences whose chunk reaches their last token.
+        # Sample only for sequences whose chunk reaches their last token; a sequence with m
+        # drafts has m + 1 rows (one per draft it verifies, and the token after them).
         sample_rows, sample_seqs = [], []
         offset = 0
         for seq, n in order:
             offset += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sample_rows.append(offset - 1)
-                sample_seqs.append(seq)
+            m = len(seq.spec_token_ids)
+            if seq.num_computed_tokens + n == seq.num_tokens + m:
+                sample_rows.extend(range(offset - 1 - m, offset))
+                sample_seqs.extend([seq] * (m + 1))
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
@@ -211,6 +219,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, timings: StepTimings | None = None
                 ) -> tuple[list[Sequence], SampleResult]:
         t0 = time.perf_counter()
+        verify = False  # drafts to verify: they come as several tokens per sequence, never on the graph path
         if self.graphs is not None and self._is_decode_only(batch) and self.graphs.can_run(len(batch.seqs)):
             seqs = batch.seqs
             sampling = self.sampler.prepare(seqs)
@@ -219,17 +228,31 @@ class ModelRunner:
             logits = self.model.logits(hidden)
         else:
             ids, pos, meta, rows, seqs = self.prepare(batch)
-            sampling = self.sampler.prepare(seqs)
+            verify = self.verifier is not None and len(seqs) > len(set(seqs))
+            sampling = (self.verifier if verify else self.sampler).prepare(seqs)
             t1 = time.perf_counter()
             hidden = self.model.forward(ids, pos, meta, self.kv_caches)
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if logits is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        result = self.sampler.sample(logits, sampling) if logits is not None else SampleResult([], [])
+        if logits is None:
+            result = SampleResult([], [])
+        elif verify:  # a sequence per token: several for those whose drafts were accepted
+            seqs, result = self.verifier.sample(logits, sampling)
+        else:
+            result = self.sampler.sample(logits, sampling)
         t3 = time.perf_counter()
         if timings is not None:
             timings.prepare += t1 - t0
             timings.forward += t2 - t1
             timings.sample += t3 - t2
         return seqs, result
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The forward pass of a batch and the logits of its sampling rows, without sampling
+        (a draft model's proposals: the proposer samples them itself)."""
+        ids, pos, meta, rows, seqs = self.prepare(batch)
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+        return seqs, (self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None)
