@@ -102,6 +102,7 @@ class ModelRunner:
         self.sampler = Sampler(config.vocab_size, self.device)
         # Speculative decoding: samples the steps that verify drafts (spec_decode.Verifier).
         self.verifier = None
+        self.verify_as_decode_rows = self.ops.name == "torch" and self.device.type == "cpu"
         self.graphs = None
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -141,11 +142,15 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):
-        """Flatten a scheduled batch: decode tokens first, then prefill chunks."""
+        """Flatten a scheduled batch: decode tokens first, then prefill chunks. A sequence with
+        drafts to verify is a prefill chunk (the extend path), or on CPU's torch backend one
+        decode row per token, each with its own context length (its causal mask): the decode
+        kernel is several times faster than SDPA over a gathered context for a few queries."""
         bs = self.block_size
         decodes, prefills = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
+            decode = (n == 1 and seq.num_computed_tokens > 0) or (self.verify_as_decode_rows and seq.spec_token_ids)
+            (decodes if decode else prefills).append((seq, n))
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -164,12 +169,13 @@ class ModelRunner:
                 span = np.arange(start, start + n)
                 slots.extend((np.asarray(table, dtype=np.int64)[span // bs] * bs + span % bs).tolist())
 
-        def tables(group) -> torch.Tensor:
+        def tables(group, rows_per_seq=lambda n: 1) -> torch.Tensor:
             width = max((len(s.block_table) for s, _ in group), default=0)
-            return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in group],
-                                dtype=torch.int32).view(len(group), width)
+            padded = [row for s, n in group for row in [s.block_table + [0] * (width - len(s.block_table))]
+                      * rows_per_seq(n)]
+            return torch.tensor(padded, dtype=torch.int32).view(len(padded), width)
 
-        decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        decode_lens = [s.num_computed_tokens + j + 1 for s, n in decodes for j in range(n)]
         prefill_qlens = [n for _, n in prefills]
         prefill_ctx = [s.num_computed_tokens + n for s, n in prefills]
         starts = [0]
@@ -178,8 +184,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            num_decodes=len(decodes),
-            decode_block_tables=tables(decodes).to(dev, non_blocking=True),
+            num_decodes=len(decode_lens),  # rows: a verifying sequence has one per token
+            decode_block_tables=tables(decodes, lambda n: n).to(dev, non_blocking=True),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32).to(dev, non_blocking=True),
             decode_max_context=max(decode_lens, default=0),
             num_prefill_tokens=sum(prefill_qlens),

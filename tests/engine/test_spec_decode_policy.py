@@ -11,7 +11,7 @@ from services.control.spec import SpecError, validate
 from services.engine.config import EngineArgs
 from services.engine.spec_decode.adaptive import AdaptivePolicy, bucket, expected_tokens
 from services.engine.spec_decode.config import SpeculativeConfig
-from services.engine.spec_decode.decoder import EXPLORE_MAX_SEQS
+from services.engine.spec_decode.decoder import explore_seqs
 from services.engine.spec_decode.ngram import ngram_proposal
 
 
@@ -39,7 +39,7 @@ def simulate(policy: AdaptivePolicy, batch: int, acceptance: float, base: float,
     tokens = seconds = 0.0
     for _ in range(steps):
         k = policy.choose(batch, [(policy.acceptance(None), 4)] * batch)
-        speculating = 0 if k == 0 else (min(batch, EXPLORE_MAX_SEQS) if policy.exploring else batch)
+        speculating = 0 if k == 0 else (min(batch, explore_seqs(batch)) if policy.exploring else batch)
         t = (batch * base + speculating * extra.get(k, 0.0)) * (1 + rng.uniform(-0.03, 0.03))
         policy.observe(batch, k, speculating, t)
         seconds += t

@@ -17,8 +17,8 @@ Each step takes the k (0 included) with the most tokens per second,
 
 and speculates only if that beats rate(0) = 1 / base by `margin`. Arms are explored one step at
 a time, at most one step in `explore_gap` per bucket, and every arm again after `refresh_steps`
-steps; an exploring step speculates a few sequences only (the engine's EXPLORE_MAX_SEQS), so
-it costs little even at a large batch where the arm turns out to lose. A draft model's
+steps; an exploring step speculates a quarter of the batch only (decoder.explore_seqs), so it
+costs little even at a large batch where the arm turns out to lose. A draft model's
 catch-up forwards (a prompt it has not seen, tokens decoded while speculation was off) are paid
 once and are left out of the step time the cost model sees.
 """

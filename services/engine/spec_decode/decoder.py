@@ -29,7 +29,12 @@ from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.verifier import Verifier
 
 
-EXPLORE_MAX_SEQS = 4  # sequences that speculate in a step that measures an arm of the cost model
+EXPLORE_MIN_SEQS = 4  # a step that measures an arm of the cost model speculates a quarter of the
+# batch, at least this many: enough to measure above the noise, few enough to cost little
+
+
+def explore_seqs(num_decodes: int) -> int:
+    return max(EXPLORE_MIN_SEQS, -(-num_decodes // 4))
 
 
 @dataclass
@@ -118,7 +123,7 @@ class SpeculativeDecoder:
         granted: dict[int, int] = {}
         for i, room in rooms.items():
             m = min(k, room, budget)
-            if m < 1 or (self.policy.exploring and len(granted) == EXPLORE_MAX_SEQS):
+            if m < 1 or (self.policy.exploring and len(granted) == explore_seqs(len(decoding))):
                 break
             seq = batch.seqs[i]
             if self.block_manager.blocks_needed(seq, 1 + m) + self.reserved_blocks > self.block_manager.num_free_blocks:
