@@ -69,6 +69,12 @@ def deployment_history(name: str) -> str:
     return f"{PREFIX}:deployment:{name}:history"
 
 
+def deployment_analysis(name: str) -> str:
+    """String: the canary analysis of the deployment's current (or last) canary, as JSON
+    (services.control.canary_driver writes it; the API, CLI and dashboard read it)."""
+    return f"{PREFIX}:deployment:{name}:analysis"
+
+
 DEPLOYMENTS = f"{PREFIX}:deployments"  # Set: names of deployments stored by control
 
 

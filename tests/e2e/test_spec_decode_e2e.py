@@ -71,3 +71,6 @@ async def test_the_strata_object_reports_the_acceptance_rate(spec_stack):
     assert metric("strata:spec_decode_num_accepted_tokens_total") == 2 * spec["accepted_tokens"]
     assert metric("strata:spec_decode_num_drafts_total") >= 2
     assert metric("strata:spec_decode_num_accepted_tokens_per_pos_total") == 2 * spec["accepted_tokens"]
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total"):
+        assert metric("vllm:" + name) == metric("strata:" + name)  # vLLM's own names as well
