@@ -238,12 +238,12 @@ class Sampler:
         if batch.penalties is not None:
             x = self.apply_penalties(x, batch)
         out = torch.zeros_like(x)
-        greedy = list(range(batch.num_rows)) if batch.all_greedy else batch.greedy.nonzero().view(-1).tolist()
+        rows = sorted(batch.top_k_rows + batch.full_rows)  # the sampled rows; the others are greedy
+        greedy = sorted(set(range(batch.num_rows)) - set(rows))
         if greedy:
             out[greedy] = torch.nn.functional.one_hot(x[greedy].argmax(dim=-1), x.shape[1]).float()
         if batch.all_greedy:
             return out
-        rows = sorted(batch.top_k_rows + batch.full_rows)
         w = x[rows]
         w = w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()  # p / p_max
         if batch.top_k_rows:
