@@ -8,8 +8,9 @@ Models (STRATA_HOME/models, built once):
   draft    a 2-layer, hidden-256 model over the same vocabulary and tokenizer (the realistic
            builder at that width), rebuilt to copy the same way with another seed: it copies the
            same spans and slips at other places
-  random   the shape's checkpoint as built (random weights): no draft is ever right on it; the
-           adaptive policy must then cost (almost) nothing
+  random   the shape's checkpoint as built (random weights): on M no draft is ever right, and the
+           adaptive policy must then cost (almost) nothing; L ties its embeddings, so its random
+           weights repeat the last token and every draft is right there
 Workload "copy": each prompt is an instruction, a document (README and docs/*.md of this repo,
 windows of it) and the document's first words again; the target's output goes on repeating the
 document, as in an editing task. Greedy, ignore_eos.
