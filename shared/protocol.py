@@ -421,6 +421,18 @@ class Usage(Message):
 
 
 @dataclass
+class SpecDecodeUsage(Message):
+    """Speculative decoding for one request: draft tokens verified and how many were accepted."""
+
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
 class TokenLogprob(Message):
     token_id: int
     logprob: float
@@ -444,6 +456,7 @@ class TokenChunk(Message):
     logprobs: list[TokenLogprob] | None = None
     replica_id: str | None = None
     revision: int | None = None  # on the final chunk: the deployment revision that served it
+    spec_decode: SpecDecodeUsage | None = None  # on the final chunk, when drafts were verified for it
 
     @property
     def is_final(self) -> bool:

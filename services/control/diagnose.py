@@ -184,6 +184,8 @@ STEP_FIXES = {
              "profile the engine loop; on a GPU, CUDA graphs",
     "schedule": "host-side batch scheduling dominates: profile the engine scheduler",
     "prepare": "host-side input preparation dominates: profile tensor building",
+    "propose": "speculative proposals dominate (n-gram lookups, the draft model's forwards): a smaller draft "
+               "model or a lower num_speculative_tokens in speculative_config",
     "bookkeeping": "host-side bookkeeping dominates: profile prefix-cache registration and stop checks",
     "sample": "sampling dominates: check logprobs and penalties in the requests",
     "detokenize": "detokenization dominates: check stop strings in the requests",

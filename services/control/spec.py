@@ -51,7 +51,8 @@ class SpecError(ValueError):
 
 
 def _type_name(t) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, t.__name__)
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping"}.get(t, t.__name__)
 
 
 def _check_type(value: Any, t: type) -> bool:
@@ -164,6 +165,8 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
             errors.append((f"engine.{key}", f"unknown engine argument (known: {', '.join(ENGINE_ARGS)})"))
         elif not _check_type(value, ENGINE_ARGS[key]):
             errors.append((f"engine.{key}", f"must be {_type_name(ENGINE_ARGS[key])}, got {type(value).__name__}"))
+        elif (reason := EngineArgs.spec_value_error(key, value)) is not None:
+            errors.append((f"engine.{key}", reason))
 
     replicas = _section(data.get("replicas"), Replicas, "replicas", errors)
     if replicas.min > replicas.max:

@@ -147,24 +147,33 @@ class BlockManager:
         """Release seq's blocks. Tail blocks go to the LRU end first, so they are evicted before
         the shared prefix blocks that more requests are likely to reuse."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.block_hash == NO_HASH:
-                    self.free_blocks[block_id] = None
-                    self.free_blocks.move_to_end(block_id, last=False)  # uncached: reuse first
-                else:
-                    self.free_blocks[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    def release_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's blocks past the ones that hold its first num_tokens tokens (the slots of
+        speculative tokens that were rejected)."""
+        keep = max(-(-num_tokens // self.block_size), seq.num_registered_blocks)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
 
     def drain_events(self) -> KvEvents:
         events, self.events = self.events, KvEvents()
         return events
 
     # ---- internals --------------------------------------------------------------------------
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.block_hash == NO_HASH:
+                self.free_blocks.move_to_end(block_id, last=False)  # uncached: reuse first
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

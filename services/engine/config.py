@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -13,10 +14,18 @@ from typing import Any
 from services.engine.quantization import support as quantization_support
 
 
-def arg(default: Any, help: str, *, key: str | None = None, spec: bool = True) -> Any:
+def arg(default: Any, help: str, *, key: str | None = None, spec: bool = True, check=None) -> Any:
     """A field of EngineArgs. `key`: its name in a deployment spec and as a flag (--key with
-    dashes) when that differs from the field's name; `spec=False`: not settable per deployment."""
-    return field(default=default, metadata={"help": help, "key": key, "spec": spec})
+    dashes) when that differs from the field's name; `spec=False`: not settable per deployment;
+    `check(value)`: raises ValueError for a value of the right type that is still wrong (also
+    run on deployment specs)."""
+    return field(default=default, metadata={"help": help, "key": key, "spec": spec, "check": check})
+
+
+def _check_speculative_config(value: dict, check_model_dir: bool = True) -> None:
+    from services.engine.spec_decode.config import SpeculativeConfig
+
+    SpeculativeConfig.from_dict(value, check_model_dir)
 
 
 @dataclass
@@ -49,6 +58,10 @@ class EngineArgs:
                            key="threads")
     debug_step_delay_s: float = arg(0.0, "test only: sleep this long in every step (a slow runtime on purpose)",
                                     key="debug_step_delay")
+    speculative_config: dict | None = arg(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": DIR, '
+              '"num_speculative_tokens": 4}; "adaptive": false keeps k fixed', check=_check_speculative_config)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +73,17 @@ class EngineArgs:
         errors = quantization_support.check(self.quantization, self.kv_cache_dtype, self.device)
         if errors:
             raise ValueError("; ".join(f"{name}: {reason}" for name, reason in errors))
+        if self.speculative_config is not None:
+            _check_speculative_config(self.speculative_config)
+
+    @property
+    def speculative(self):
+        """speculative_config parsed (spec_decode.SpeculativeConfig), or None."""
+        if self.speculative_config is None:
+            return None
+        from services.engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -76,6 +100,22 @@ class EngineArgs:
         return {_key(f): _base_type(f) for f in dataclasses.fields(cls) if f.metadata["spec"]}
 
     @classmethod
+    def spec_value_error(cls, key: str, value: Any) -> str | None:
+        """Why a deployment spec's value (of the right type) for `key` is refused, or None."""
+        f = next((f for f in dataclasses.fields(cls) if _key(f) == key), None)
+        check = f.metadata["check"] if f is not None else None
+        if check is None:
+            return None
+        try:
+            if check is _check_speculative_config:  # the draft model's files are on the engine's machine
+                check(value, check_model_dir=False)
+            else:
+                check(value)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
@@ -84,6 +124,8 @@ class EngineArgs:
             if kind is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=f.metadata["help"])
+            elif kind is dict:
+                group.add_argument(flag, dest=f.name, type=_json_object, default=f.default, help=f.metadata["help"])
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
         # Older spelling, kept for existing command lines.
@@ -106,9 +148,21 @@ class EngineArgs:
             flag = "--" + key.replace("_", "-")
             if _base_type(f) is bool:
                 flags.append(flag if value else "--no-" + flag[2:])
+            elif _base_type(f) is dict:
+                flags += [flag, json.dumps(value)]
             else:
                 flags += [flag, str(value)]
         return flags
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _key(f: dataclasses.Field) -> str:

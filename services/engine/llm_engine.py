@@ -32,6 +32,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size,
                                           self.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens)
+        self.spec = None  # speculative decoding (services.engine.spec_decode), when configured
+        if self.args.speculative is not None:
+            from services.engine.spec_decode import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(self.args.speculative, self.runner, self.block_manager, self.args,
+                                           self.model_config, reserved_blocks=self.scheduler.watermark_blocks)
         # A sliding-window model attends to everything up to its window, so the context stops
         # there: the full attention here equals the model's own.
         self.max_model_len = min(self.args.max_model_len or self.model_config.max_position_embeddings,
@@ -125,6 +131,9 @@ class LLMEngine:
             return outputs
         timings = StepTimings(steps=1)
         timings.schedule = time.perf_counter() - start
+        if self.spec is not None:
+            self.spec.propose(batch, self.max_model_len)
+            timings.propose = time.perf_counter() - start - timings.schedule
         if self.args.debug_step_delay_s:  # lands in `other`: no named phase owns it
             time.sleep(self.args.debug_step_delay_s)
         now = time.monotonic()
@@ -135,24 +144,36 @@ class LLMEngine:
         executed = time.perf_counter()
         self._detok_s = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
         now = time.monotonic()
+        generated, previous = 0, None
         for seq, token, logprob in zip(sampled_seqs, result.token_ids, result.logprobs):
+            if seq.is_finished:  # a speculated run that stopped before its last token
+                continue
+            if seq is previous:  # the token before was an accepted draft: the verification computed its KV
+                seq.num_computed_tokens += 1
+                self.block_manager.cache_full_blocks(seq)
             self._append_token(seq, token, logprob, now)
+            generated, previous = generated + 1, seq
+        if self.spec is not None:
+            self.spec.verified(batch)
+        for seq in dict.fromkeys(sampled_seqs):  # a sequence may have had several tokens
             if self.streaming or seq.is_finished:
                 outputs.append(self._output(seq))
         self.num_steps += 1
-        self.num_generated_tokens += len(sampled_seqs)
+        self.num_generated_tokens += generated
         end = time.perf_counter()
         timings.detokenize = self._detok_s
         timings.bookkeeping = end - executed - self._detok_s
         timings.wall = end - start
-        named = (timings.schedule + timings.prepare + timings.forward + timings.sample + timings.detokenize
-                 + timings.bookkeeping)
+        named = (timings.schedule + timings.propose + timings.prepare + timings.forward + timings.sample
+                 + timings.detokenize + timings.bookkeeping)
         timings.other = max(timings.wall - named, 0.0)
         self.last_step = timings
         self.step_timings.add(timings)
+        if self.spec is not None:
+            self.spec.observe(timings.wall)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
@@ -195,7 +216,8 @@ class LLMEngine:
         completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.streaming else "",
                                       seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
+                                 seq.num_draft_tokens, seq.num_accepted_tokens)
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
                              finished, max(seq.num_cached_tokens, 0), new_ids, delta, new_logprobs, metrics)
 
@@ -220,4 +242,5 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             **{f"step_{phase}_s": getattr(self.step_timings, phase) for phase in STEP_PHASES},
             "step_wall_s": self.step_timings.wall,
+            **(self.spec.snapshot() if self.spec is not None else {}),
         }

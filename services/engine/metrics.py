@@ -71,6 +71,17 @@ class EngineMetrics:
                                        "Seconds those requests waited before this replica was ready (its cold start), "
                                        "summed.", labels, registry=r).labels(**self._values)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+        # Speculative decoding, as vLLM's spec_decode metrics.
+        self.spec_drafts = counter("strata:spec_decode_num_drafts", "Speculated runs verified (one per sequence "
+                                                                    "per step that had drafts).")
+        self.spec_draft_tokens = counter("strata:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("strata:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_pos = family(Counter("strata:spec_decode_num_accepted_tokens_per_pos",
+                                                     "Draft tokens accepted, by position in the speculated run "
+                                                     "(0 = first).", labels + ["position"], registry=r))
+        self._last_spec = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                           "spec_decode_num_accepted_tokens": 0}
+        self._last_spec_per_pos: list[int] = []
         self.recent_ttft = LatencyWindow()
         self.recent_itl = LatencyWindow()
         self.finished_total = 0
@@ -115,6 +126,17 @@ class EngineMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = stats[stat]
+        if "spec_decode_num_drafts" in stats:
+            for stat, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                                  ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                                  ("spec_decode_num_accepted_tokens", self.spec_accepted_tokens)):
+                counter.inc(max(stats[stat] - self._last_spec[stat], 0))
+                self._last_spec[stat] = stats[stat]
+            per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+            last = self._last_spec_per_pos + [0] * (len(per_pos) - len(self._last_spec_per_pos))
+            for position, (now, before) in enumerate(zip(per_pos, last)):
+                self._spec_accepted_per_pos.labels(**self._values, position=str(position)).inc(max(now - before, 0))
+            self._last_spec_per_pos = list(per_pos)
 
 
 class VllmNames:

@@ -63,12 +63,13 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str) -> torch.dtype:
 # One engine step, phase by phase (seconds). `other` is the step's wall time minus the named
 # phases: Python between them, lock and GIL waits, the debug delay; on a GPU, whatever the host
 # does while the device waits shows up in it rather than vanishing into `forward`.
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
+STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "detokenize", "bookkeeping", "other")
 
 
 @dataclass
 class StepTimings:
     schedule: float = 0.0  # host: choosing the batch, allocating blocks
+    propose: float = 0.0  # speculative decoding: n-gram lookups or the draft model's forwards
     prepare: float = 0.0  # host: building the input tensors
     forward: float = 0.0  # device: the model forward and logits (synchronized on CUDA)
     sample: float = 0.0
@@ -103,6 +104,9 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = quantized_kv.allocate(args.kv_cache_dtype, config.num_layers, shape, self.dtype, self.device)
         self.sampler = Sampler(config.vocab_size, self.device)
+        # Speculative decoding: samples the steps that verify drafts (spec_decode.Verifier).
+        self.verifier = None
+        self.verify_as_decode_rows = self.ops.name == "torch" and self.device.type == "cpu"
         self.graphs = None
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -143,18 +147,25 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):
-        """Flatten a scheduled batch: decode tokens first, then prefill chunks."""
+        """Flatten a scheduled batch: decode tokens first, then prefill chunks. A sequence with
+        drafts to verify is a prefill chunk (the extend path), or on CPU's torch backend one
+        decode row per token, each with its own context length (its causal mask): the decode
+        kernel is several times faster than SDPA over a gathered context for a few queries."""
         bs = self.block_size
         decodes, prefills = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
+            decode = (n == 1 and seq.num_computed_tokens > 0) or (self.verify_as_decode_rows and seq.spec_token_ids)
+            (decodes if decode else prefills).append((seq, n))
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         for seq, n in order:
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
+            if seq.spec_token_ids:  # the last token, then the drafts to verify after it
+                input_ids.extend((seq.token_ids[start:] + seq.spec_token_ids)[:n])
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             if n == 1:
@@ -163,12 +174,13 @@ class ModelRunner:
                 span = np.arange(start, start + n)
                 slots.extend((np.asarray(table, dtype=np.int64)[span // bs] * bs + span % bs).tolist())
 
-        def tables(group) -> torch.Tensor:
+        def tables(group, rows_per_seq=lambda n: 1) -> torch.Tensor:
             width = max((len(s.block_table) for s, _ in group), default=0)
-            return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in group],
-                                dtype=torch.int32).view(len(group), width)
+            padded = [row for s, n in group for row in [s.block_table + [0] * (width - len(s.block_table))]
+                      * rows_per_seq(n)]
+            return torch.tensor(padded, dtype=torch.int32).view(len(padded), width)
 
-        decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        decode_lens = [s.num_computed_tokens + j + 1 for s, n in decodes for j in range(n)]
         prefill_qlens = [n for _, n in prefills]
         prefill_ctx = [s.num_computed_tokens + n for s, n in prefills]
         starts = [0]
@@ -177,8 +189,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            num_decodes=len(decodes),
-            decode_block_tables=tables(decodes).to(dev, non_blocking=True),
+            num_decodes=len(decode_lens),  # rows: a verifying sequence has one per token
+            decode_block_tables=tables(decodes, lambda n: n).to(dev, non_blocking=True),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32).to(dev, non_blocking=True),
             decode_max_context=max(decode_lens, default=0),
             num_prefill_tokens=sum(prefill_qlens),
@@ -188,14 +200,16 @@ class ModelRunner:
             prefill_query_lens_host=prefill_qlens,
             prefill_context_lens_host=prefill_ctx,
         )
-        # Sample only for sequences whose chunk reaches their last token.
+        # Sample only for sequences whose chunk reaches their last token; a sequence with m
+        # drafts has m + 1 rows (one per draft it verifies, and the token after them).
         sample_rows, sample_seqs = [], []
         offset = 0
         for seq, n in order:
             offset += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sample_rows.append(offset - 1)
-                sample_seqs.append(seq)
+            m = len(seq.spec_token_ids)
+            if seq.num_computed_tokens + n == seq.num_tokens + m:
+                sample_rows.extend(range(offset - 1 - m, offset))
+                sample_seqs.extend([seq] * (m + 1))
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
@@ -216,6 +230,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, timings: StepTimings | None = None
                 ) -> tuple[list[Sequence], SampleResult]:
         t0 = time.perf_counter()
+        verify = False  # drafts to verify: they come as several tokens per sequence, never on the graph path
         if self.graphs is not None and self._is_decode_only(batch) and self.graphs.can_run(len(batch.seqs)):
             seqs = batch.seqs
             sampling = self.sampler.prepare(seqs)
@@ -224,17 +239,31 @@ class ModelRunner:
             logits = self.model.logits(hidden)
         else:
             ids, pos, meta, rows, seqs = self.prepare(batch)
-            sampling = self.sampler.prepare(seqs)
+            verify = self.verifier is not None and len(seqs) > len(set(seqs))
+            sampling = (self.verifier if verify else self.sampler).prepare(seqs)
             t1 = time.perf_counter()
             hidden = self.model.forward(ids, pos, meta, self.kv_caches)
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if logits is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        result = self.sampler.sample(logits, sampling) if logits is not None else SampleResult([], [])
+        if logits is None:
+            result = SampleResult([], [])
+        elif verify:  # a sequence per token: several for those whose drafts were accepted
+            seqs, result = self.verifier.sample(logits, sampling)
+        else:
+            result = self.sampler.sample(logits, sampling)
         t3 = time.perf_counter()
         if timings is not None:
             timings.prepare += t1 - t0
             timings.forward += t2 - t1
             timings.sample += t3 - t2
         return seqs, result
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The forward pass of a batch and the logits of its sampling rows, without sampling
+        (a draft model's proposals: the proposer samples them itself)."""
+        ids, pos, meta, rows, seqs = self.prepare(batch)
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+        return seqs, (self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None)

@@ -21,6 +21,13 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Speculative decoding: draft tokens proposed for the request and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def timings(self) -> dict[str, float]:
         """Seconds spent waiting in the queue, in prefill (to the first token), and decoding."""

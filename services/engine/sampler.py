@@ -208,7 +208,17 @@ class Sampler:
             chosen = self._argmax(logits)
         else:
             chosen = self._draw(logits, batch)
-        token_ids = chosen.tolist()
+        return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
+
+    def raw_logprobs(self, logits: torch.Tensor, batch: SamplingBatch):
+        """What `logprob_results` needs, taken from the raw logits (before anything changes them);
+        None when no row asks."""
+        return self._logprobs(logits[:, :self.vocab_size], batch) if batch.logprob_rows else None
+
+    @staticmethod
+    def logprob_results(logprob_rows, batch: SamplingBatch, chosen: torch.Tensor
+                        ) -> list[tuple[float, dict[int, float]] | None]:
+        """Per row: (the chosen token's logprob, top-n) where the row asked, else None."""
         results: list[tuple[float, dict[int, float]] | None] = [None] * batch.num_rows
         if logprob_rows is not None:
             raw, top_values, top_ids = logprob_rows
@@ -216,7 +226,48 @@ class Sampler:
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
             for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.logprob_counts)):
                 results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
-        return SampleResult(token_ids, results)
+        return results
+
+    @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Each row's distribution after every filter, as `sample` draws from it: penalties,
+        temperature, top-k, top-p and min-p with the thresholds above; greedy rows one-hot at
+        the argmax. Dense fp32 [rows, vocab] (`logits` is left as it is): speculative decoding
+        compares a target's and a draft's distributions with it."""
+        x = logits[:, :self.vocab_size].to(torch.float32, copy=True)
+        if batch.penalties is not None:
+            x = self.apply_penalties(x, batch)
+        out = torch.zeros_like(x)
+        rows = sorted(batch.top_k_rows + batch.full_rows)  # the sampled rows; the others are greedy
+        greedy = sorted(set(range(batch.num_rows)) - set(rows))
+        if greedy:
+            out[greedy] = torch.nn.functional.one_hot(x[greedy].argmax(dim=-1), x.shape[1]).float()
+        if batch.all_greedy:
+            return out
+        w = x[rows]
+        w = w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()  # p / p_max
+        if batch.top_k_rows:
+            ks = torch.zeros(len(rows), 1, dtype=torch.int64, device=w.device)
+            where = {r: j for j, r in enumerate(rows)}
+            ks[[where[r] for r in batch.top_k_rows]] = batch.top_k
+            kth = w.topk(batch.max_top_k, dim=-1).values.gather(1, (ks - 1).clamp(min=0))
+            w.masked_fill_((ks > 0) & (w < kth), 0.0)
+        if batch.any_top_p:
+            w.masked_fill_(w < self._top_p_floor(w, batch.top_p[rows]), 0.0)
+        if batch.any_min_p:
+            w.masked_fill_(w < batch.log_min_p[rows].exp(), 0.0)
+        out[rows] = w / w.sum(dim=-1, keepdim=True)
+        return out
+
+    @staticmethod
+    def _top_p_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """[rows, 1]: the smallest weight in each row's top-p set (w: unnormalized weights, 0
+        for tokens already out; top_p: [rows, 1]). The set is the smallest prefix by descending
+        weight whose mass reaches top_p; the token that crosses it and its ties stay."""
+        ordered = w.sort(dim=-1, descending=True).values
+        mass_before = (ordered.cumsum(dim=-1) - ordered) / ordered.sum(dim=-1, keepdim=True)
+        last = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1) - 1
+        return ordered.gather(1, last)
 
     # ---- the vocabulary-wide primitives: C kernels on CPU, torch elsewhere ----------------------
     def _fp32(self, x: torch.Tensor) -> torch.Tensor:
@@ -417,9 +468,7 @@ class Sampler:
         return cpu_kernels.sample_rows(x, temperature, min_p, top_p, floor, uniforms)
 
     def _sort_sample(self, w, sample_w, top_p, batch: SamplingBatch, row: int) -> torch.Tensor:
-        ordered = w.sort(descending=True).values
-        mass_before = (ordered.cumsum(0) - ordered) / ordered.sum()
-        last = int((mass_before < top_p).sum().clamp(min=1)) - 1
-        cdf = sample_w.masked_fill(w < ordered[last], 0.0).cumsum(0)
+        floor = self._top_p_floor(w.view(1, -1), top_p.view(1, 1)).view(1)
+        cdf = sample_w.masked_fill(w < floor, 0.0).cumsum(0)
         u = self._uniforms(batch, [row], MAX_REJECTION_ROUNDS).view(-1)
         return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[-1:], right=True).clamp_(max=w.shape[0] - 1)[0]

@@ -41,6 +41,12 @@ class Sequence:
         self._token_array_len = 0
         self.logprobs: list[dict] = []
         self.num_emitted_tokens = 0  # output tokens already handed out in a step output
+        # Speculative decoding (services.engine.spec_decode): this step's draft tokens, verified
+        # after the last token; the proposer's own state; and the request's draft counts.
+        self.spec_token_ids: list[int] = []
+        self.spec_state = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None

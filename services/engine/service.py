@@ -37,8 +37,8 @@ from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
-                             KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, TokenChunk,
-                             TokenLogprob, Usage)
+                             KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, SpecDecodeUsage,
+                             TokenChunk, TokenLogprob, Usage)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -294,6 +294,9 @@ class EngineWorker:
             chunk.usage = Usage(prompt_tokens=len(last.prompt_token_ids),
                                 completion_tokens=len(completion.token_ids), cached_tokens=last.num_cached_tokens)
             chunk.timings = {f"engine_{k}": v for k, v in last.metrics.timings().items()}
+            if last.metrics.num_draft_tokens:
+                chunk.spec_decode = SpecDecodeUsage(draft_tokens=last.metrics.num_draft_tokens,
+                                                    accepted_tokens=last.metrics.num_accepted_tokens)
             chunk.revision = self.cfg.revision or None
         return chunk
 

@@ -311,9 +311,14 @@ def strata_extension(final: TokenChunk, done: float) -> dict:
     """Where the request's time went (seconds per layer, shared.layers, and `e2e`), the same
     split by component (runtime / infrastructure), and which replica (and revision) served it."""
     timings = layer_timings({**(final.timestamps or {}), "gateway_done": done})
-    return {"replica_id": final.replica_id, "revision": final.revision,
-            "timings": {k: round(v, 6) for k, v in timings.items()},
-            "components": {k: round(v, 6) for k, v in by_component(timings).items()}}
+    extension = {"replica_id": final.replica_id, "revision": final.revision,
+                 "timings": {k: round(v, 6) for k, v in timings.items()},
+                 "components": {k: round(v, 6) for k, v in by_component(timings).items()}}
+    if final.spec_decode is not None:  # speculative decoding: the request's acceptance
+        spec = final.spec_decode
+        extension["spec_decode"] = {"draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+                                    "acceptance_rate": round(spec.acceptance_rate, 4)}
+    return extension
 
 
 def now() -> int:

@@ -1,0 +1,151 @@
+"""How many tokens to speculate this step: the measured cost model (pure logic, no I/O).
+
+Speculating k tokens for a sequence whose drafts are accepted with probability a each (given the
+ones before were) yields 1 + a + a^2 + ... + a^k tokens per step instead of 1, and costs what
+verifying k more tokens and proposing them adds to the step. Both are measured here:
+
+- cost, per batch-size bucket (B = sequences decoding): `base`, the seconds per sequence of a
+  step without speculation, and per draft length k, `extra[k]`, the seconds each speculating
+  sequence adds to the step. Costs do not depend on acceptance, so an arm measured once stays
+  valid while requests come and go; arms are re-measured when they go stale.
+- gain, per sequence: its acceptance rate so far, shrunk towards the engine-wide rate while it
+  has few verifications of its own.
+
+Each step takes the k (0 included) with the most tokens per second,
+
+    rate(k) = (B + sum_s (E_s(k) - 1)) / (B * base + n_spec * extra[k]),
+
+and speculates only if that beats rate(0) = 1 / base by `margin`. Arms are explored one step at
+a time, at most one step in `explore_gap` per bucket, and every arm again after `refresh_steps`
+steps; an exploring step speculates a quarter of the batch only (decoder.explore_seqs), so it
+costs little even at a large batch where the arm turns out to lose. A draft model's
+catch-up forwards (a prompt it has not seen, tokens decoded while speculation was off) are paid
+once and are left out of the step time the cost model sees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step yields with k drafts accepted with probability `acceptance` each in turn."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def bucket(num_decodes: int) -> int:
+    """Batch sizes on a half-octave grid (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, ...)."""
+    return max(1, int(round(2 ** (round(2 * math.log2(max(num_decodes, 1))) / 2))))
+
+
+@dataclass
+class _Ema:
+    value: float = 0.0
+    count: int = 0
+    last_step: int = -1
+
+    def add(self, x: float, weight: float, step: int) -> None:
+        self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
+        self.count += 1
+        self.last_step = step
+
+
+@dataclass
+class _Bucket:
+    base: _Ema = field(default_factory=_Ema)
+    extra: dict[int, _Ema] = field(default_factory=dict)
+    last_explore: int = -(1 << 30)
+
+
+@dataclass
+class Acceptance:
+    """Drafts verified and accepted: per sequence, and engine-wide (decayed, so it follows the
+    current workload)."""
+
+    trials: float = 0.0  # draft positions verified up to and including the first rejection
+    accepted: float = 0.0
+
+    def add(self, accepted: int, num_drafts: int, decay: float = 1.0) -> None:
+        self.trials = decay * self.trials + accepted + (1 if accepted < num_drafts else 0)
+        self.accepted = decay * self.accepted + accepted
+
+    def rate(self, prior: float, prior_weight: float) -> float:
+        return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
+
+
+class AdaptivePolicy:
+    def __init__(self, max_k: int, adaptive: bool = True, *, margin: float = 0.03, ema: float = 0.25,
+                 explore_gap: int = 4, refresh_steps: int = 1024, prior: float = 0.5, prior_weight: float = 4.0,
+                 global_decay: float = 0.995):
+        self.max_k, self.adaptive = max_k, adaptive
+        self.arms = sorted({max_k >> i for i in range(max_k.bit_length()) if max_k >> i >= 1})  # k, k/2, ..., 1
+        self.margin, self.ema, self.explore_gap, self.refresh_steps = margin, ema, explore_gap, refresh_steps
+        self.prior, self.prior_weight, self.global_decay = prior, prior_weight, global_decay
+        self.buckets: dict[int, _Bucket] = {}
+        self.engine_acceptance = Acceptance()
+        self.step = 0
+        self.exploring = False  # the last choice measures an arm (the engine speculates few sequences then)
+        self.chosen: dict[int, int] = {}  # k -> steps that chose it
+
+    # ---- acceptance ------------------------------------------------------------------------
+    def acceptance(self, own: Acceptance | None) -> float:
+        """A sequence's expected acceptance rate, from its own verifications and the engine's."""
+        engine = self.engine_acceptance.rate(self.prior, self.prior_weight)
+        return own.rate(engine, self.prior_weight) if own is not None else engine
+
+    def verified(self, own: Acceptance, accepted: int, num_drafts: int) -> None:
+        own.add(accepted, num_drafts)
+        self.engine_acceptance.add(accepted, num_drafts, self.global_decay)
+
+    # ---- cost ------------------------------------------------------------------------------
+    def choose(self, num_decodes: int, candidates: list[tuple[float, int]]) -> int:
+        """k for a step with `num_decodes` decoding sequences, of which `candidates` could
+        speculate: (acceptance rate, drafts available) each."""
+        self.step += 1
+        self.exploring = False
+        k = self._choose(num_decodes, candidates)
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+    def _choose(self, num_decodes: int, candidates: list[tuple[float, int]]) -> int:
+        if not candidates:
+            return 0
+        if not self.adaptive:
+            return self.max_k
+        cell = self.buckets.setdefault(bucket(num_decodes), _Bucket())
+        if cell.base.count < 2 or self._stale(cell.base):
+            return 0
+        if self.step - cell.last_explore >= self.explore_gap:
+            for k in reversed(self.arms):  # the longest first: the arm that gains most when drafts are good
+                arm = cell.extra.get(k)
+                if arm is None or self._stale(arm):
+                    cell.last_explore = self.step
+                    self.exploring = True
+                    return k
+        base = cell.base.value
+        best, best_rate = 0, (1.0 + self.margin) / base
+        for k, arm in cell.extra.items():
+            gain = sum(expected_tokens(a, min(k, n)) - 1.0 for a, n in candidates)
+            n_spec = sum(1 for _, n in candidates if n > 0)
+            rate = (num_decodes + gain) / (num_decodes * base + n_spec * max(arm.value, 0.0))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _stale(self, ema: _Ema) -> bool:
+        return self.step - ema.last_step > self.refresh_steps
+
+    def observe(self, num_decodes: int, k: int, num_speculating: int, seconds: float) -> None:
+        """A step of decodes only (no prefill in it) took `seconds`, with k drafts for
+        `num_speculating` of its `num_decodes` sequences."""
+        if num_decodes < 1 or not self.adaptive:
+            return
+        cell = self.buckets.setdefault(bucket(num_decodes), _Bucket())
+        if k == 0 or num_speculating == 0:
+            cell.base.add(seconds / num_decodes, self.ema, self.step)
+        elif cell.base.count:
+            extra = (seconds - num_decodes * cell.base.value) / num_speculating
+            cell.extra.setdefault(k, _Ema()).add(extra, self.ema, self.step)
