@@ -92,6 +92,13 @@ class ModelRunner:
                 torch.set_num_threads(args.num_threads)
         self.ops = select_ops(self.device, args.attention_backend)
         self.model = LlamaModel(config, self.dtype, self.device, self.ops)
+        self.lora = None  # LoRAManager: adapters beside the base weights (enable_lora)
+        if args.enable_lora:
+            from services.engine.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config, args.max_loras, args.max_lora_rank,
+                                    args.max_cpu_loras or args.max_loras, self.dtype, self.device,
+                                    use_triton=self.ops.name == "triton")
         self.block_size = args.block_size
         self.num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
@@ -100,7 +107,8 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         self.sampler = Sampler(config.vocab_size, self.device)
         self.graphs = None
-        if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
+        # Decode graphs capture no LoRA deltas: with adapters every step runs eagerly.
+        if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton" and self.lora is None:
             from services.engine.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-(args.max_model_len or config.max_position_embeddings) // self.block_size)
@@ -143,6 +151,8 @@ class ModelRunner:
         decodes, prefills = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
+        if self.lora is not None:  # decodes of one adapter side by side: one run each (LoRALinear)
+            decodes.sort(key=lambda item: self.lora.slot(item[0].lora_name))
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -191,6 +201,8 @@ class ModelRunner:
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
+        if self.lora is not None:
+            self.lora.set_batch([(self.lora.slot(seq.lora_name), n) for seq, n in order])
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
