@@ -36,3 +36,10 @@ def peft_adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     return {name: build_peft_adapter(tiny_model_dir, root / name, seed=i, **args)
             for i, (name, args) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_model_dir):
+    from tests.engine.conftest import HFReference
+
+    return HFReference(tiny_model_dir)
