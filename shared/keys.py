@@ -69,6 +69,11 @@ def deployment_history(name: str) -> str:
     return f"{PREFIX}:deployment:{name}:history"
 
 
+def lora_adapters(model: str) -> str:
+    """Hash: LoRA adapters served on a model (deployment): name -> JSON {path, source} (shared.adapters)."""
+    return f"{PREFIX}:lora:{model}"
+
+
 DEPLOYMENTS = f"{PREFIX}:deployments"  # Set: names of deployments stored by control
 
 

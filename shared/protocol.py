@@ -34,6 +34,7 @@ LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata l
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
+LORA_ADAPTERS_ALL = f"{PREFIX}.lora.*"  # a model's registered LoRA adapters changed (LoraAdaptersChanged)
 
 
 def _token(name: str) -> str:
@@ -95,6 +96,11 @@ def accepted(reply_to: str) -> str:
     """engine -> caller, beside the stream: a GenerateAck once an engine has taken the request
     (so a caller knows no scheduler holds it any more)."""
     return f"{reply_to}.accepted"
+
+
+def lora_adapters(model: str) -> str:
+    """gateway/control -> engines, gateways, schedulers: re-read the model's adapter registry."""
+    return f"{PREFIX}.lora.{_token(model)}"
 
 
 def gateway_stats(gateway_id: str) -> str:
@@ -342,6 +348,7 @@ class GenerateRequest(Message):
     # Timestamps (unix seconds) stamped by each hop, for per-layer timings.
     timestamps: dict[str, float] = field(default_factory=dict)
     resume: Resume | None = None  # set on the continuation of a stream that lost its replica
+    lora: str | None = None  # the LoRA adapter of `model` to run with (None: the base model)
 
     def validate(self) -> None:
         if not self.request_id:
@@ -459,6 +466,14 @@ class Heartbeat(Message):
     itl_p50_s: float | None = None  # recent inter-token latency
     requests_finished: int = 0  # cumulative, by outcome: rates and error ratios per revision
     requests_failed: int = 0
+    # LoRA (all empty / 0 when the engine serves no adapters): adapters in device slots, in the
+    # host cache, and of running / waiting requests (vLLM's lora_requests_info); slots and rank.
+    lora_resident: list[str] = field(default_factory=list)
+    lora_cached: list[str] = field(default_factory=list)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")
@@ -533,6 +548,16 @@ class DeploymentChanged(Message):
     stable: int = 0
     canary: int = 0  # 0: none
     canary_weight: int = 0  # percent of traffic to the canary revision
+
+
+@dataclass
+class LoraAdaptersChanged(Message):
+    """A model's LoRA adapter registry (shared.adapters) changed: readers re-read it (and resync
+    periodically, so a lost announcement heals)."""
+
+    model: str
+    action: str  # load | unload | spec
+    name: str | None = None  # the adapter (load, unload)
 
 
 @dataclass

@@ -22,6 +22,7 @@ class ReplicaView:
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
+        r.lora_resident, r.lora_cached, r.max_loras = frozenset(hb.lora_resident), frozenset(hb.lora_cached), hb.max_loras
         r.reported(hb.accepted_total)
         r.last_seen = now
         per_model[hb.replica_id] = r
