@@ -53,6 +53,9 @@ class DeploymentSpec:
     routing: dict[str, str] = field(default_factory=lambda: {"policy": "kv_aware"})
     canary: dict[str, int] = field(default_factory=lambda: {"weight": 0})
     scaling: Scaling = field(default_factory=Scaling)
+    # LoRA adapters [{name, path}]: live state, applied to running replicas (shared.adapters);
+    # a change of adapters alone makes no new revision.
+    adapters: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def routing_policy(self) -> str:
@@ -74,7 +77,12 @@ class DeploymentSpec:
         return cls(name=data["name"], model=data["model"], aliases=list(data.get("aliases", [])),
                    engine=dict(data.get("engine", {})), replicas=Replicas(**data.get("replicas", {})),
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
-                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})))
+                   canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
+                   adapters=[dict(a) for a in data.get("adapters", [])])
+
+    def without_adapters(self) -> dict[str, Any]:
+        """The spec as a revision knows it: everything but the live adapters."""
+        return {k: v for k, v in self.to_dict().items() if k != "adapters"}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from services.control.fleet import FleetView
 from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyStore, create_key
 from services.gateway.openai_api import ApiError, error_response
-from shared import deployments, protocol, registry
+from shared import adapters, deployments, protocol, registry
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
@@ -193,9 +193,16 @@ class ControlService:
         data = specs.parse_spec(text)
         loop = asyncio.get_running_loop()  # reads the model's config.json: off the loop
         spec = await loop.run_in_executor(None, specs.validate, data)
-        state = await self.store.apply(spec, actor=key.tenant)
-        await self._announce(spec.name, "apply", state)
-        return web.json_response({"deployment": asdict(state), "revision": state.latest}, status=201)
+        live = await self.store.adapters_only(spec)  # adapters alone: applied live, no new revision
+        state = await (self.store.record_adapters(spec.name, actor=key.tenant) if live
+                       else self.store.apply(spec, actor=key.tenant))
+        changed, removed = await adapters.replace_declared(self.redis, spec.name, spec.adapters)
+        if changed or removed:
+            await adapters.announce(self.bus, spec.name, "spec")
+            log.info("lora adapters applied", deployment=spec.name, loaded=changed, unloaded=removed)
+        await self._announce(spec.name, "adapters" if live else "apply", state)
+        return web.json_response({"deployment": asdict(state), "revision": state.latest, "live": live,
+                                  "adapters": {"loaded": changed, "unloaded": removed}}, status=200 if live else 201)
 
     async def list_deployments(self, request: web.Request) -> web.Response:
         await self._admin(request)
