@@ -38,7 +38,7 @@ class LoRAManager:
                  dtype: torch.dtype, device: torch.device, use_triton: bool = False):
         self.config, self.dtype, self.device = config, dtype, device
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.batch = LoRABatch(device, use_triton)
+        self.batch = LoRABatch(device, use_triton, max_loras, dtype)
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(model.layers):
             for linear, (fan_in, outs) in linear_slices(config).items():
