@@ -2,8 +2,9 @@
 Pure (no I/O): the scheduler runs it every second, the fleet simulator reuses it.
 
 Packing: each replica has `max_loras` device slots; an adapter that carries a share s of the
-demand on n replicas gets ceil(s * n) replicas (at least one), so no replica takes more than
-its share of one adapter's load. Copies go out hottest adapter first; each goes to a replica
+demand on n replicas gets ceil(headroom * s * n) replicas (at least one), so no replica takes
+more than its share of one adapter's load, with room for bursts (headroom 1.5: a burst that
+spills goes to another holder, not to a replica that must load it). Copies go out hottest adapter first; each goes to a replica
 that already has the adapter resident if one has a free slot (no load at all), else to the
 replica with the least demand placed so far (balance). What does not fit in the slots (the
 cold tail) is not placed: its requests go where it is resident or cached, else where the
@@ -43,7 +44,7 @@ class DemandWindow:
 
 
 def place_adapters(demand: dict[str, float], slots: dict[str, int],
-                   resident: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+                   resident: dict[str, set[str]] | None = None, headroom: float = 1.5) -> dict[str, set[str]]:
     """replica -> adapters it should keep resident. `demand`: adapter -> recent requests;
     `slots`: replica -> max_loras; `resident`: replica -> adapters resident there now."""
     resident = resident or {}
@@ -56,7 +57,7 @@ def place_adapters(demand: dict[str, float], slots: dict[str, int],
     n = len(slots)
     for adapter in sorted(demand, key=lambda a: (-demand[a], a)):
         share = demand[adapter] / total
-        copies = min(n, max(1, math.ceil(share * n - 1e-9)))
+        copies = min(n, max(1, math.ceil(headroom * share * n - 1e-9)))
         for _ in range(copies):
             open_ = [r for r in slots if free[r] > 0 and adapter not in placement[r]]
             if not open_:

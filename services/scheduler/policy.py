@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 POLICIES = ("round_robin", "least_load", "kv_aware")
 
 # A LoRA adapter's cost on a replica, in blocks of prefill work (see Router.adapter_cost).
-ADAPTER_CACHED_COST = 2.0  # in the host cache: one host-to-device copy
-ADAPTER_LOAD_COST = 8.0  # neither: read from disk, then copied
-ADAPTER_UNPLACED_COST = 8.0  # placement packed it elsewhere
+ADAPTER_CACHED_COST = 6.0  # in the host cache: a host-to-device copy, and maybe a wait for a free slot
+ADAPTER_LOAD_COST = 16.0  # neither: read from disk, then copied
+ADAPTER_UNPLACED_COST = 24.0  # placement packed it elsewhere (a load there evicts what was packed)
 
 
 @dataclass
