@@ -116,3 +116,23 @@ async def test_load_serve_unload_over_http(lora_stack, tiny_model_dir, peft_adap
         assert status == 404 and body["error"]["code"] == "model_not_found"
         status, body = await complete(http, stack, "tiny:mlp", prompt)
         assert status == 200 and text_of(body) == expect["mlp"]
+
+        # The engines' metrics: slot loads, and vLLM's lora_requests_info with the slot count.
+        loads = 0.0
+        for replica in ("engine-0", "engine-1"):
+            async with http.get(await engine_metrics_url(stack, replica)) as resp:
+                text = await resp.text()
+            assert 'max_lora="2"' in text and "strata:lora_requests_info{" in text
+            loads += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("strata:lora_adapter_loads_total"))
+        assert loads >= 2  # attn and mlp were each made resident somewhere
+
+
+async def engine_metrics_url(stack, replica: str) -> str:
+    from shared import keys
+
+    redis = connect_redis(stack.infra.redis_url)
+    try:
+        return (await redis.hget(keys.replica(replica), "http_url")).decode() + "/metrics"
+    finally:
+        await redis.aclose()
