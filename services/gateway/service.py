@@ -137,10 +137,9 @@ class GatewayService:
         self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}")
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
-        self.adapters = AdapterCatalog(self.redis, lambda: self.models)
-        self.lora_api = LoraApi(self.adapters, self.bus, self._authenticate, None)
+        self.adapters = AdapterCatalog(self.redis, lambda: self.models)  # before deployments: it serves theirs
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
-        self.lora_api.deployments = self.deployments
+        self.lora_api = LoraApi(self.adapters, self.bus, self._authenticate, self.deployments)
         await self.deployments.start(self.bus)
         await self.bus.subscribe(protocol.LORA_ADAPTERS_ALL, protocol.LoraAdaptersChanged, self.adapters.on_change)
         await self.adapters.refresh_all()
@@ -157,7 +156,8 @@ class GatewayService:
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.cfg.host}:{port}"
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
-            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})), asyncio.create_task(self._adapters_resync())]
+            self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})),
+            asyncio.create_task(self._adapters_resync())]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
