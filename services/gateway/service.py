@@ -181,9 +181,15 @@ class GatewayService:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/load_lora_adapter", self.lora_api.load)
-        app.router.add_post("/v1/unload_lora_adapter", self.lora_api.unload)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora_api.load(request)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora_api.unload(request)
 
     async def _adapters_resync(self, interval: float = 5.0) -> None:
         """Heals a lost adapter announcement."""
