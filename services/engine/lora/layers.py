@@ -5,10 +5,10 @@ Which adapter each token uses is the step's `LoRABatch`, set once per step by th
 and read by every LoRALinear. On CPU the tokens come in runs of consecutive tokens of one adapter
 (SGMV-style: the runner puts decodes of one adapter next to each other; a prefill chunk is one
 run). A long run gets two torch matmuls of its own. Short runs (decodes), when there are more
-than two, go together in three calls whatever the mix: the shrink against every slot at once
-(x @ A_all.T, [tokens, slots * rows]), a per-token mask keeping each token's own slot, and the
-expand against every slot's B at once; the extra flops are those of a few rows per slot, far
-cheaper on a CPU than a small matmul per adapter. On CUDA it is the gathered
+than two, go together in five calls whatever the mix: their tokens gathered into one padded
+group per slot ([slots, longest group, in]), a batched shrink and expand against every slot's
+A and B (torch.bmm), and the deltas added back to their tokens. A small matmul per adapter
+costs a CPU more in overhead than the padding does in flops. On CUDA it is the gathered
 BGMV Triton kernels of kernels.lora, two launches per layer whatever the mix.
 """
 
@@ -31,9 +31,9 @@ class LoRABatch:
         self.device, self.use_triton, self.num_slots, self.dtype = device, use_triton, num_slots, dtype
         self.runs: list[tuple[int, int, int]] = []  # (start, end, slot) of tokens using an adapter
         self.token_slots: torch.Tensor | None = None  # [tokens] int32 on the device (Triton path)
-        # All-slots path: (first, end) tokens it covers and their mask [tokens, slots, 1], 1 at
-        # each token's slot (0 for tokens of the base model or of a long run).
-        self.dense: tuple[int, int, torch.Tensor] | None = None
+        # Grouped short runs: (gather index [slots * longest], rows of it that are real tokens,
+        # those tokens), token indices into the step's batch.
+        self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.own_runs: list[tuple[int, int, int]] = []  # runs that get their own matmuls
 
     def set(self, slots_and_counts: list[tuple[int, int]]) -> None:
@@ -47,7 +47,7 @@ class LoRABatch:
                     runs.append((start, start + n, slot))
             start += n
         self.runs, self.own_runs = runs, runs
-        self.token_slots = self.dense = None
+        self.token_slots = self.grouped = None
         if runs and self.use_triton:
             slots = torch.full((start,), -1, dtype=torch.int32)
             for s, e, slot in runs:
@@ -56,11 +56,18 @@ class LoRABatch:
         else:
             short = [r for r in runs if r[1] - r[0] < LONG_RUN]
             if len(short) > MAX_SHORT_RUNS:
-                first, end = short[0][0], short[-1][1]
-                mask = torch.zeros((end - first, self.num_slots, 1), dtype=self.dtype)
+                groups: dict[int, list[int]] = {}
                 for s, e, slot in short:
-                    mask[s - first:e - first, slot] = 1
-                self.dense = (first, end, mask.to(self.device, non_blocking=True))
+                    groups.setdefault(slot, []).extend(range(s, e))
+                longest = max(map(len, groups.values()))
+                gather = torch.full((self.num_slots, longest), short[0][0], dtype=torch.int64)
+                rows, tokens = [], []
+                for slot, members in groups.items():
+                    gather[slot, :len(members)] = torch.tensor(members)
+                    rows.extend(range(slot * longest, slot * longest + len(members)))
+                    tokens.extend(members)
+                self.grouped = tuple(t.to(self.device, non_blocking=True) for t in (
+                    gather.view(-1), torch.tensor(rows, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64)))
                 self.own_runs = [r for r in runs if r[1] - r[0] >= LONG_RUN]
 
 
@@ -69,6 +76,7 @@ class LoRALinear:
 
     def __init__(self, base: Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, batch: LoRABatch):
         self.base, self.a_stack, self.b_stack, self.batch = base, a_stack, b_stack, batch
+        self.a_stack_t = a_stack.transpose(1, 2)  # [slots, in, rows]: the batched shrink's operand
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -84,12 +92,12 @@ class LoRALinear:
             x2 = x.contiguous()
             y = bgmv_shrink(x2, self.a_stack, batch.token_slots)
             return bgmv_expand(y, self.b_stack, batch.token_slots, out)
-        if batch.dense is not None:
-            first, end, mask = batch.dense
-            slots, rows, fan_in = self.a_stack.shape
-            shrunk = torch.mm(x[first:end], self.a_stack.view(slots * rows, fan_in).t()).view(-1, slots, rows)
-            shrunk.mul_(mask)
-            out[first:end].addmm_(shrunk.view(-1, slots * rows), self.b_stack.view(slots * rows, -1))
+        if batch.grouped is not None:
+            gather, rows, tokens = batch.grouped
+            slots = self.a_stack.shape[0]
+            grouped = x.index_select(0, gather).view(slots, -1, x.shape[1])
+            delta = torch.bmm(torch.bmm(grouped, self.a_stack_t), self.b_stack)
+            out.index_add_(0, tokens, delta.view(-1, out.shape[1]).index_select(0, rows))
         for start, end, slot in batch.own_runs:
             shrunk = torch.mm(x[start:end], self.a_stack[slot].t())
             out[start:end].addmm_(shrunk, self.b_stack[slot])
