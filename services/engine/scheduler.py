@@ -9,16 +9,20 @@ later, ahead of new arrivals); no new sequence is admitted in a step that preemp
 admission keeps a small watermark of free blocks for running decodes, so the batch does not
 thrash between admitting and preempting. With LoRA adapters (`lora`: the engine's
 LoRAManager), a waiting sequence whose adapter cannot get a device slot (every slot holds an
-adapter that running sequences use) is passed over, and the ones behind it may run.
+adapter that running sequences use) is passed over, and the ones behind it may run; once it
+has waited LORA_MAX_PASS_OVER_S, nothing behind it is admitted until a slot frees for it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, SequenceStatus
+
+LORA_MAX_PASS_OVER_S = 5.0  # then a passed-over request stops others from keeping every slot busy
 
 
 @dataclass
@@ -82,6 +86,8 @@ class Scheduler:
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
             if self.lora is not None and not self.lora.can_schedule(seq, self.running):
+                if time.monotonic() - seq.arrival_time > LORA_MAX_PASS_OVER_S:
+                    break  # running requests finish, and their slot goes to it
                 j += 1
                 continue
             cached = bm.match_prefix(seq)

@@ -169,3 +169,24 @@ def test_lora_engine_arguments_are_checked():
         EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="max_lora_rank"):
         EngineArgs(max_lora_rank=0)
+
+
+def test_a_passed_over_request_is_not_starved(tiny_model_dir, peft_adapters, prompts, monkeypatch):
+    """One slot, kept busy by a stream of requests for one adapter: a request for another adapter
+    waits, but once it has waited long enough nothing more is admitted ahead of it."""
+    from services.engine import scheduler as sched
+
+    monkeypatch.setattr(sched, "LORA_MAX_PASS_OVER_S", 0.0)
+    llm = lora_llm(tiny_model_dir, max_loras=1)
+    engine = llm.engine
+    for name in ("attn-r8", "mlp-r4"):
+        llm.register_lora(LoRARequest(name, str(peft_adapters[name])))
+    engine.add_request("busy-0", prompts[1], GREEDY, lora_name="attn-r8")
+    engine.step()
+    engine.add_request("other", prompts[1], GREEDY, lora_name="mlp-r4")
+    engine.add_request("busy-1", prompts[1], GREEDY, lora_name="attn-r8")  # resident: could run at once
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished.index("other") < finished.index("busy-1")
+    assert_no_leak(engine)
