@@ -4,7 +4,9 @@ weights untouched, prepacked as they are) plus each token's adapter delta.
 Which adapter each token uses is the step's `LoRABatch`, set once per step by the model runner
 and read by every LoRALinear. On CPU the tokens come in runs of consecutive tokens of one adapter
 (SGMV-style: the runner puts decodes of one adapter next to each other; a prefill chunk is one
-run). A long run gets two torch matmuls of its own. Short runs (decodes), when there are more
+run). Long runs get two torch matmuls per adapter (the runs of one adapter gathered into one
+operand, so a prefill of many requests costs a matmul pair per adapter, not per request). Short
+runs (decodes), when there are more
 than two, go together in five calls whatever the mix: their tokens gathered into one padded
 group per slot ([slots, longest group, in]), a batched shrink and expand against every slot's
 A and B (torch.bmm), and the deltas added back to their tokens. A small matmul per adapter
@@ -34,7 +36,8 @@ class LoRABatch:
         # Grouped short runs: (gather index [slots * longest], rows of it that are real tokens,
         # those tokens), token indices into the step's batch.
         self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.own_runs: list[tuple[int, int, int]] = []  # runs that get their own matmuls
+        # Long runs, per slot: (slot, token slice, or token indices when the slot's runs are apart)
+        self.own_runs: list[tuple[int, slice | torch.Tensor]] = []
 
     def set(self, slots_and_counts: list[tuple[int, int]]) -> None:
         runs: list[tuple[int, int, int]] = []
@@ -46,8 +49,9 @@ class LoRABatch:
                 else:
                     runs.append((start, start + n, slot))
             start += n
-        self.runs, self.own_runs = runs, runs
+        self.runs, self.own_runs = runs, []
         self.token_slots = self.grouped = None
+        own = runs
         if runs and self.use_triton:
             slots = torch.full((start,), -1, dtype=torch.int32)
             for s, e, slot in runs:
@@ -68,7 +72,13 @@ class LoRABatch:
                     tokens.extend(members)
                 self.grouped = tuple(t.to(self.device, non_blocking=True) for t in (
                     gather.view(-1), torch.tensor(rows, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64)))
-                self.own_runs = [r for r in runs if r[1] - r[0] >= LONG_RUN]
+                own = [r for r in runs if r[1] - r[0] >= LONG_RUN]
+            by_slot: dict[int, list[tuple[int, int]]] = {}
+            for s, e, slot in own:
+                by_slot.setdefault(slot, []).append((s, e))
+            self.own_runs = [(slot, slice(*spans[0]) if len(spans) == 1 else torch.cat(
+                [torch.arange(s, e) for s, e in spans]).to(self.device, non_blocking=True))
+                for slot, spans in by_slot.items()]
 
 
 class LoRALinear:
@@ -98,7 +108,10 @@ class LoRALinear:
             grouped = x.index_select(0, gather).view(slots, -1, x.shape[1])
             delta = torch.bmm(torch.bmm(grouped, self.a_stack_t), self.b_stack)
             out.index_add_(0, tokens, delta.view(-1, out.shape[1]).index_select(0, rows))
-        for start, end, slot in batch.own_runs:
-            shrunk = torch.mm(x[start:end], self.a_stack[slot].t())
-            out[start:end].addmm_(shrunk, self.b_stack[slot])
+        for slot, tokens in batch.own_runs:
+            if isinstance(tokens, slice):
+                out[tokens].addmm_(torch.mm(x[tokens], self.a_stack[slot].t()), self.b_stack[slot])
+            else:
+                shrunk = torch.mm(x.index_select(0, tokens), self.a_stack[slot].t())
+                out.index_add_(0, tokens, torch.mm(shrunk, self.b_stack[slot]))
         return out
