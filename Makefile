@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Flags for `strata up`: make up ARGS="--port 9000 --control-port 9081 --engines 2"
+ARGS ?=
 up: install
-	$(VENV)/bin/strata up
+	$(VENV)/bin/strata up $(ARGS)
 
 test: install
 	$(PY) -m pytest -q -rs

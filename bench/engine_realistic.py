@@ -27,8 +27,12 @@ each mode; model load and warm-up reported apart. Where memory allows all runner
 (--interleave auto; at L it does not on a 24 GB machine), runs are interleaved (for each mode and
 workload, every runner in turn) so that the machine's noise falls on all of them alike; otherwise
 one runner after the other. Each point runs --repeats times (per shape by default) and the median
-counts; each run records the share of the CPU other processes took meanwhile (the machine is shared).
-Also Strata's step-phase split (llm.stats() step_*_s) over each decode batch's decode steps.
+counts. The development machines are shared, so every run waits (up to --quiet-wait s) for other
+processes to leave the CPU and records the share they took meanwhile; a run they took more than
+--max-others-cpu of is redone (up to --max-retries times; the waiting and redoing together spend at
+most --noise-budget seconds of the whole bench; if every attempt was disturbed, the least disturbed
+counts and the point is reported as noisy). Also Strata's step-phase split (llm.stats()
+step_*_s) over each decode batch's decode steps.
 
 Prints the figures and ratios (Strata/vLLM, Strata/HF, sampled/greedy) with issue 16's targets;
 writes bench/results/engine_realistic.json (after every shape) and bench/results/engine_realistic.png.
@@ -74,6 +78,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "bookkeeping
 DEFAULT_VLLM_VENV = "/work/peer/vllm-venv"
 # Issue 16's targets on this CPU.
 TARGET_VS_VLLM, TARGET_VS_HF_STATIC, TARGET_SAMPLED_OVER_GREEDY, TARGET_SAMPLE_SHARE = 1.0, 2.0, 0.85, 0.10
+MIN_WATCH_S = 0.5  # the shortest window over which other processes' CPU share is measured
 # A decode point counts only when its decode steps take at least this share of the run's time.
 MIN_DECODE_SHARE = 0.15
 
@@ -184,10 +189,12 @@ class RunnerProcess:
         """Send a command and wait for its answer; the answer gets `others_cpu`: the share of the
         machine's CPU time that other processes took meanwhile (this machine is shared: a run with a
         high share was slowed by someone else)."""
-        before = machine_cpu_ticks(), process_cpu_ticks(self.proc.pid)
+        start, before = time.monotonic(), (machine_cpu_ticks(), process_cpu_ticks(self.proc.pid))
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         answer = self.read(timeout)
+        # A short run spans a few clock ticks only: watch the machine a little longer to judge it.
+        time.sleep(max(0.0, MIN_WATCH_S - (time.monotonic() - start)))
         (busy, total), own = machine_cpu_ticks(), process_cpu_ticks(self.proc.pid)
         if total > before[0][1]:
             answer["others_cpu"] = max(0.0, (busy - before[0][0] - (own - before[1])) / (total - before[0][1]))
@@ -264,49 +271,95 @@ def start_runners(names: list[str], key: str, job_path: Path, args, log_dir: Pat
     return procs
 
 
-def run_workloads(procs: dict[str, RunnerProcess], modes: dict, workloads: list[dict], repeats: int, args,
-                  result: dict) -> None:
+def others_share(pids: list[int], window: float = 1.0) -> float:
+    """The share of the machine's CPU that processes other than `pids` take over `window` seconds."""
+    (busy0, total0), own0 = machine_cpu_ticks(), sum(process_cpu_ticks(p) for p in pids)
+    time.sleep(window)
+    (busy1, total1), own1 = machine_cpu_ticks(), sum(process_cpu_ticks(p) for p in pids)
+    return max(0.0, (busy1 - busy0 - (own1 - own0)) / max(1, total1 - total0))
+
+
+class NoiseGuard:
+    """Spends a bounded budget (--noise-budget seconds for the whole bench) on waiting for other processes
+    to leave the CPU before a run and on redoing runs they disturbed; once it is spent, runs go ahead
+    as they come and are only marked."""
+
+    def __init__(self, args):
+        self.threshold = args.max_others_cpu
+        self.budget, self.per_wait, self.max_retries = args.noise_budget, args.quiet_wait, args.max_retries
+        self.spent = 0.0
+
+    def wait_for_quiet(self, pids: list[int]) -> None:
+        start = time.monotonic()
+        while self.spent + (time.monotonic() - start) < self.budget and time.monotonic() - start < self.per_wait:
+            if others_share(pids) <= self.threshold:
+                break
+        self.spent += time.monotonic() - start
+
+    def redo(self, disturbed: list[dict]) -> bool:
+        """Whether to redo a point after its disturbed runs (charging the last one to the budget)."""
+        self.spent += disturbed[-1]["seconds"]
+        return len(disturbed) <= self.max_retries and self.spent < self.budget
+
+
+def measure_point(proc: RunnerProcess, procs: dict[str, RunnerProcess], workload: str, mode: str, repeats: int,
+                  guard: NoiseGuard, run_timeout: float) -> dict:
+    """`repeats` runs of one point that other processes left alone, as far as the noise budget allows
+    (each run first waits for a quiet machine; a run during which others took more than --max-others-cpu
+    is redone); the median counts. With no undisturbed run, the least disturbed counts, marked noisy."""
+    kept, disturbed = [], []
+    while len(kept) < repeats:
+        guard.wait_for_quiet([p.proc.pid for p in procs.values()])
+        answer = proc.request({"op": "run", "workload": workload, "mode": mode}, run_timeout)
+        if "error" in answer:
+            return answer
+        if answer["others_cpu"] <= guard.threshold:
+            kept.append(answer)
+            continue
+        disturbed.append(answer)
+        if not guard.redo(disturbed):
+            break
+    runs = kept or [min(disturbed, key=lambda a: a["others_cpu"])]
+    answer = dict(runs[-1])
+    answer.update(seconds=statistics.median(a["seconds"] for a in runs), seconds_all=[a["seconds"] for a in runs],
+                  others_cpu=max(a["others_cpu"] for a in runs), disturbed_runs=len(disturbed), noisy=not kept)
+    return answer
+
+
+def run_workloads(procs: dict[str, RunnerProcess], modes: dict, workloads: list[dict], repeats: int,
+                  guard: NoiseGuard, args, result: dict) -> None:
     """For each mode and workload, every runner in turn; a runner whose process dies or hangs is dropped.
     A decode point's two runs (1 token, then --decode-tokens) go back to back for each runner, so that
-    both see the same noise."""
+    both see the same machine."""
     units: dict[str, list[dict]] = {}
     for workload in workloads:
         units.setdefault(workload["name"].removesuffix("-first"), []).append(workload)
     for mode in modes:
         for unit in units.values():
-            for name, workload in [(n, w) for n in list(procs) for w in unit]:
+            for name, workload in [(n, w["name"]) for n in list(procs) for w in unit]:
                 if name not in procs:  # died earlier in this unit
                     continue
-                proc = procs[name]
-                times, others, answer = [], [], {}
-                for _ in range(repeats):
-                    try:
-                        answer = proc.request({"op": "run", "workload": workload["name"], "mode": mode},
-                                              args.run_timeout)
-                    except (TimeoutError, RuntimeError, ValueError) as exc:
-                        answer = {"error": str(exc)}
-                        proc.close()
-                        del procs[name]
-                        result["skipped"][name] = f"stopped at {mode} {workload['name']}: {exc}"
-                    if "error" in answer:
-                        break
-                    times.append(answer["seconds"])
-                    others.append(answer.pop("others_cpu", 0.0))
+                try:
+                    answer = measure_point(procs[name], procs, workload, mode, repeats, guard, args.run_timeout)
+                except (TimeoutError, RuntimeError, ValueError) as exc:
+                    answer = {"error": str(exc)}
+                    procs.pop(name).close()
+                    result["skipped"][name] = f"stopped at {mode} {workload}: {exc}"
                 if "error" in answer:
-                    print(f"  {mode:7s} {workload['name']:18s} {name:9s} ERROR {answer['error']}", flush=True)
-                    result["runs"][mode][workload["name"]][name] = {"error": answer["error"]}
+                    print(f"  {mode:7s} {workload:18s} {name:9s} ERROR {answer['error']}", flush=True)
+                    result["runs"][mode][workload][name] = {"error": answer["error"]}
                     continue
-                answer["seconds"] = statistics.median(times)
-                answer["seconds_all"] = times
-                answer["others_cpu"] = max(others)
                 result["runners"][name]["warmup_s"][mode] = answer.pop("warmup_s")
-                result["runs"][mode][workload["name"]][name] = answer
-                print(f"  {mode:7s} {workload['name']:18s} {name:9s} {answer['seconds']:8.2f} s  "
-                      f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens  "
-                      f"(others took {answer['others_cpu']:.0%} of the CPU)", flush=True)
+                result["runs"][mode][workload][name] = answer
+                print(f"  {mode:7s} {workload:18s} {name:9s} {answer['seconds']:8.2f} s  "
+                      f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens  (others "
+                      f"{answer['others_cpu']:.0%} of the CPU{'; NOISY' if answer['noisy'] else ''}"
+                      + (f"; {answer['disturbed_runs']} disturbed runs redone" if answer["disturbed_runs"] else "")
+                      + ")", flush=True)
 
 
-def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str], args, log_dir: Path) -> dict:
+def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str], guard: NoiseGuard, args,
+              log_dir: Path) -> dict:
     shape = SHAPES[key]
     model_dir = ensure_model(key)
     config = json.loads((model_dir / "config.json").read_text())
@@ -339,7 +392,7 @@ def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str
     for group in ([runners] if interleave == "yes" else [[r] for r in runners]):
         procs = start_runners(group, key, job_path, args, log_dir, result)
         try:
-            run_workloads(procs, modes, workloads, sizes.repeats, args, result)
+            run_workloads(procs, modes, workloads, sizes.repeats, guard, args, result)
         finally:
             for proc in procs.values():
                 proc.close()
@@ -364,7 +417,9 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
     """tokens/s per mode and runner: throughput (output), prefill by prompt length, decode by batch."""
     out = {}
     for mode in modes:
-        fig = {"throughput": {}, "prefill": {}, "decode": {}, "unreliable": []}
+        fig = {"throughput": {}, "prefill": {}, "decode": {}, "unreliable": [],
+               "noisy": sorted(f"{runner} {workload}" for workload, per_runner in result["runs"][mode].items()
+                               for runner, run in per_runner.items() if run.get("noisy"))}
         for runner in result["runners"]:
             if run := _run(result, mode, "throughput", runner):
                 fig["throughput"][runner] = run["output_tokens"] / run["seconds"]
@@ -487,6 +542,9 @@ def print_shape(key: str, res: dict) -> None:
         print(f"  other processes took a median {res['others_cpu']['median']:.0%} (at most "
               f"{res['others_cpu']['max']:.0%}) of the machine's CPU during these runs")
     for mode, fig in res["figures"].items():
+        if fig["noisy"]:
+            print(f"  {mode}: disturbed by other processes in every attempt (the least disturbed counts): "
+                  + ", ".join(fig["noisy"]))
         for what in fig["unreliable"]:
             print(f"  {mode} {what}: decode share under {MIN_DECODE_SHARE:.0%}, not counted (raise --decode-tokens)")
     for name, why in res["skipped"].items():
@@ -618,6 +676,13 @@ def main() -> None:
     parser.add_argument("--decode-prompt-len", type=int)
     parser.add_argument("--decode-tokens", type=int, help="output tokens per decode request")
     parser.add_argument("--repeats", type=int, help="runs of each point, the median counts (default: per shape)")
+    parser.add_argument("--max-others-cpu", type=float, default=0.2,
+                        help="a run during which other processes took more of the CPU is redone")
+    parser.add_argument("--max-retries", type=int, default=2, help="disturbed runs redone per point, at most")
+    parser.add_argument("--quiet-wait", type=float, default=20,
+                        help="seconds to wait, at most, before each run for other processes to leave the CPU")
+    parser.add_argument("--noise-budget", type=float, default=900,
+                        help="seconds the whole bench may spend waiting for quiet and redoing disturbed runs")
     parser.add_argument("--interleave", choices=("auto", "yes", "no"), default="auto",
                         help="all runners loaded at once, taking turns at every point (auto: when memory allows)")
     parser.add_argument("--vllm-venv", default=os.environ.get("STRATA_VLLM_VENV", DEFAULT_VLLM_VENV),
@@ -650,12 +715,13 @@ def main() -> None:
           flush=True)
 
     started = time.perf_counter()
+    guard = NoiseGuard(args)
     shapes: dict[str, dict] = {}
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     for key in args.shapes:
         shape_start = time.perf_counter()
         sizes = dataclasses.replace((QUICK if args.quick else FULL)[key], **overrides)
-        shapes[key] = run_shape(key, sizes, runners, skipped, args, log_dir)
+        shapes[key] = run_shape(key, sizes, runners, skipped, guard, args, log_dir)
         shapes[key]["wall_s"] = time.perf_counter() - shape_start
         print_shape(key, shapes[key])
         write_results(args.out, args, {"machine": machine, "wall_s": time.perf_counter() - started,
@@ -668,8 +734,10 @@ def main() -> None:
             print(f"  {'met    ' if c['met'] else 'NOT met'} {c['what']}: {c['value']:.2f} "
                   f"({'>=' if 'share' not in c['what'] else '<='} {c['target']})")
     wall = time.perf_counter() - started
-    print(f"\nwall time {wall / 60:.1f} min")
-    write_results(args.out, args, {"machine": machine, "wall_s": wall, "shapes": shapes, "targets": checks})
+    print(f"\nwall time {wall / 60:.1f} min, of which {guard.spent / 60:.1f} min waiting for other processes "
+          f"to leave the CPU and redoing runs they disturbed")
+    write_results(args.out, args, {"machine": machine, "wall_s": wall, "noise_spent_s": guard.spent,
+                                   "shapes": shapes, "targets": checks})
     if shapes:
         plot(shapes, Path(args.png), args.threads)
     failed = any(set(res["skipped"]) - set(skipped) or any(

@@ -51,7 +51,7 @@ class DeploymentSpec:
     replicas: Replicas = field(default_factory=Replicas)
     slo: Slo = field(default_factory=Slo)
     routing: dict[str, str] = field(default_factory=lambda: {"policy": "kv_aware"})
-    canary: dict[str, int] = field(default_factory=lambda: {"weight": 0})
+    canary: dict[str, Any] = field(default_factory=lambda: {"weight": 0})  # weight, and analysis
     scaling: Scaling = field(default_factory=Scaling)
     # LoRA adapters [{name, path}]: live state, applied to running replicas (shared.adapters);
     # a change of adapters alone makes no new revision.

@@ -69,6 +69,12 @@ def deployment_history(name: str) -> str:
     return f"{PREFIX}:deployment:{name}:history"
 
 
+def deployment_analysis(name: str) -> str:
+    """String: the canary analysis of the deployment's current (or last) canary, as JSON
+    (services.control.canary_driver writes it; the API, CLI and dashboard read it)."""
+    return f"{PREFIX}:deployment:{name}:analysis"
+
+
 def lora_adapters(model: str) -> str:
     """Hash: LoRA adapters served on a model (deployment): name -> JSON {path, source} (shared.adapters)."""
     return f"{PREFIX}:lora:{model}"

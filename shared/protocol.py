@@ -32,6 +32,7 @@ SCHEDULER_STATS_ALL = f"{PREFIX}.scheduler.*.stats"
 LOGS_ALL = f"{PREFIX}.logs.>"  # every service's log lines (LogLine), also kept a while by JetStream
 LOGS_STREAM = "STRATA_LOGS"  # the JetStream stream over LOGS_ALL, for `strata logs --since`
 CONTROL_DEPLOYMENTS = f"{PREFIX}.control.deployments"  # control -> all: a deployment changed
+CONTROL_KEYS = f"{PREFIX}.control.keys"  # control -> gateways: an API key was revoked (drop it from caches)
 SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its decisions
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
 LORA_ADAPTERS_ALL = f"{PREFIX}.lora.*"  # a model's registered LoRA adapters changed (LoraAdaptersChanged)
@@ -575,6 +576,26 @@ class ScalerDecision(Message):
 
 
 @dataclass
+class LatencySample(Message):
+    """One finished request as its client saw it, by the revision that served it: the input of
+    control's canary analysis (services.control.canary)."""
+
+    revision: int
+    finished_at: float  # unix seconds
+    ttft_s: float  # gateway arrival to the first token
+    itl_s: float  # mean gap between the request's tokens after the first (0 with a single token)
+    output_tokens: int
+
+
+@dataclass
+class RevisionOutcomes(Message):
+    """Exact counts of one revision's requests in a report (samples may be thinned, these never are)."""
+
+    requests: int = 0
+    errors: int = 0  # ended in an error an engine of this revision sent
+
+
+@dataclass
 class GatewayStats(Message):
     """A gateway's requests since its previous report (every couple of seconds), with where
     their time went by layer: control's dashboard and `strata diagnose` read it."""
@@ -586,3 +607,17 @@ class GatewayStats(Message):
     completed: dict[str, int] = field(default_factory=dict)  # model -> requests completed
     failed: dict[str, int] = field(default_factory=dict)  # model -> requests that ended in an error
     layer_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> layer -> sum
+    # Per model, the requests of managed revisions (revision > 0): latency samples (at most
+    # MAX_LATENCY_SAMPLES per model and report, an unbiased subsample beyond) and exact counts.
+    samples: dict[str, list[LatencySample]] = field(default_factory=dict)
+    outcomes: dict[str, dict[int, RevisionOutcomes]] = field(default_factory=dict)
+
+
+MAX_LATENCY_SAMPLES = 2000
+
+
+@dataclass
+class KeyRevoked(Message):
+    """An API key was revoked: every holder of a cached lookup drops it at once."""
+
+    key_hash: str  # the key's SHA-256, hex

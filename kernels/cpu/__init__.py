@@ -70,6 +70,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
         fn = getattr(lib, f"strata_rotary_{suffix}")
         fn.restype, fn.argtypes = None, [p, p, n, i, p, n, i, p, i, n, i]
+        fn = getattr(lib, f"strata_silu_and_mul_{suffix}")
+        fn.restype, fn.argtypes = None, [p, p, n, i, i]
         fn = getattr(lib, f"strata_argmax_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, n, n, p, i]
         fn = getattr(lib, f"strata_topk_{suffix}")
@@ -178,6 +180,16 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
     getattr(lib, f"strata_rotary_{KERNEL_DTYPES[q.dtype]}")(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
         cos_sin.data_ptr(), head_dim, q.shape[0], torch.get_num_threads())
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] (SwiGLU over a fused gate/up projection)."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    getattr(load(), f"strata_silu_and_mul_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1] if x.numel() else 0, d, torch.get_num_threads())
+    return out
 
 
 def _logit_rows(x: torch.Tensor) -> int:

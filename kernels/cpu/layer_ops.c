@@ -4,7 +4,7 @@
  * nine) over the activations, each allocating its result; these do one pass in place or into
  * one output, parallel over rows. Arithmetic is fp32, rounded to the model dtype where the torch
  * path (services.engine.backends.TorchOps) rounds: the residual sum, the normalized row before
- * the weight multiplies it.
+ * the weight multiplies it, silu before the product.
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,3 +81,24 @@ void NAME(const int64_t *positions, T *q, long q_stride, int q_heads, T *k, long
 
 DEFINE_ROTARY(strata_rotary_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROTARY(strata_rotary_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i] (SwiGLU on the fused gate/up projection): x [rows, 2d]
+ * contiguous, out [rows, d]. silu is rounded to the model dtype before the product, as torch's
+ * F.silu(gate) * up rounds it. */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                           \
+void NAME(const T *x, T *out, long rows, int d, int num_threads)                                  \
+{                                                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * d >= PARALLEL_MIN)") \
+    for (long r = 0; r < rows; r++) {                                                              \
+        const T *g = x + r * 2L * d, *u = g + d;                                                   \
+        T *o = out + r * (long)d;                                                                  \
+        _Pragma("omp simd")                                                                        \
+        for (int i = 0; i < d; i++) {                                                              \
+            const float a = LOAD(g, i);                                                            \
+            STORE(o, i, ROUND(a / (1.f + strata_expf(-a))) * LOAD(u, i));                          \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_SILU_AND_MUL(strata_silu_and_mul_f32, float, LOAD_F32, STORE_F32, round_f32)
+DEFINE_SILU_AND_MUL(strata_silu_and_mul_bf16, uint16_t, LOAD_BF16, STORE_BF16, round_bf16)

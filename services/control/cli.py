@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from shared.settings import Settings
 
@@ -24,11 +25,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Infrastructure, gateway, scheduler, control and the scaler; the model is applied as a
     deployment, whose engines the scaler starts (and adds, up to --max-engines, under load)."""
     from services.control.client import write_cli_config
-    from shared.localstack import LocalStack
+    from shared.localstack import LocalStack, PortInUse, check_ports_free
     from shared.logging import configure_logging
     from shared.protocol import served_model_name
     from shared.tiny_model import ensure_tiny_model
 
+    try:  # before anything starts (the tiny model's first build takes a while)
+        check_ports_free({p: what for p, what in ((args.port, "gateway"), (args.control_port, "control")) if p})
+    except PortInUse as exc:
+        print(f"error: {exc} (--port, --control-port)", file=sys.stderr)
+        return 1
     settings = Settings.from_args(args)
     configure_logging("up", settings.log_format, settings.log_level)
     model_dir = settings.model or str(ensure_tiny_model(settings.tiny_model_dir))
@@ -39,26 +45,54 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = LocalStack(model_dir, engines=0, port=args.port, nats_url=settings.nats_url,
                        redis_url=settings.redis_url, api_key=settings.api_key, log_dir=settings.home / "logs",
                        deployment=name, control=True, scaler=True, control_port=args.control_port)
-    with stack:
+    try:
+        stack.start()
+    except PortInUse as exc:
+        print(f"error: {exc} (--port, --control-port)", file=sys.stderr)
+        return 1
+    try:
         stack.deploy({"name": name, "model": model_dir,
                       "replicas": {"min": args.engines, "max": max(args.max_engines, args.engines)}})
         if args.engines:
             stack.wait_replicas(name, args.engines)
-        write_cli_config(stack.control_url, stack.api_key, settings.home)
+        dashboard = f"{stack.control_url}/dashboard#key={stack.api_key}"
+        saved = write_cli_config(stack.control_url, stack.api_key, settings.home, base_url=f"{stack.base_url}/v1",
+                                 dashboard_url=dashboard, nats_url=stack.infra.nats_url,
+                                 redis_url=stack.infra.redis_url, log_dir=str(stack.log_dir))
         print(f"strata is up\n"
               f"  base url: {stack.base_url}/v1\n"
               f"  api key:  {stack.api_key}\n"
               f"  model:    {name} ({model_dir})\n"
               f"  engines:  {args.engines} (scaler: up to {max(args.max_engines, args.engines)})\n"
-              f"  control:  {stack.control_url}  (dashboard: {stack.control_url}/dashboard#key={stack.api_key})\n"
+              f"  control:  {stack.control_url}  (dashboard: {dashboard})\n"
               f"  nats:     {stack.infra.nats_url}\n"
               f"  redis:    {stack.infra.redis_url}\n"
               f"  logs:     {stack.log_dir}\n"
+              f"  saved:    {saved} (strata status, logs, diagnose, keys ... read it)\n"
               f"  status:   strata status {name}\n"
               f"Ctrl-C stops everything.", flush=True)
         stop.wait()
         print("stopping", flush=True)
+    finally:
+        stack.stop()
     return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    import datetime
+
+    def render(r: dict) -> str:
+        return _table([[k["id"], k["name"], "admin" if k["admin"] else "", k["priority"], k["rpm"] or "-",
+                        k["tpm"] or "-", datetime.datetime.fromtimestamp(k["created"]).strftime("%Y-%m-%d %H:%M:%S")]
+                       for k in r["keys"]], ["ID", "NAME", "ADMIN", "PRIORITY", "RPM", "TPM", "CREATED"]) \
+            if r["keys"] else "no API keys"
+
+    return _api(args, lambda c: c.keys(), render)
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    return _api(args, lambda c: c.revoke_key(args.id),
+                lambda r: f"revoked key {r['revoked']}: every gateway refuses it from now on")
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -95,24 +129,55 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30s, 5m, 1h)") from None
 
 
+def _saved(settings: Settings, name: str) -> tuple[str, str]:
+    """A URL setting (flag or environment), else the one `strata up` saved: (url, where from)."""
+    from services.control.client import cli_config_path, read_cli_config
+
+    value = getattr(settings, name)
+    if value:
+        return value, ""
+    saved = read_cli_config(settings.home).get(name, "")
+    return saved, f" (from {cli_config_path(settings.home)})" if saved else ""
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.control.logs import follow, render
+    from services.control.logs import RETENTION_S, follow, render, request_id
 
     settings = Settings.from_args(args)
-    if not settings.nats_url:
-        print("--nats-url (or STRATA_NATS_URL) is required", file=sys.stderr)
+    nats_url, where = _saved(settings, "nats_url")
+    if not nats_url:
+        print("--nats-url (or STRATA_NATS_URL) is required: no `strata up` saved one", file=sys.stderr)
         return 2
+    rid = request_id(args.request) if args.request else None
+    # One request's lines are in the past: look back as far as JetStream keeps them, unless told.
+    since = args.since if args.since or not (rid or args.no_follow) else RETENTION_S
+    print(f"logs from {nats_url}{where}" + (f", request {rid}" if rid else "")
+          + (f", from {since:.0f} s back" if since else "") + ("" if args.no_follow else ", following (Ctrl-C stops)"),
+          file=sys.stderr)
+    found = [0]
+
+    def emit(line) -> None:
+        found[0] += 1
+        print(render(line, args.json), flush=True)
 
     async def run() -> None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await follow(settings.nats_url, lambda line: print(render(line, args.json), flush=True), stop,
-                     service=args.service, request_id=args.request, since=args.since)
+        await follow(nats_url, emit, stop, service=args.service, request_id=rid, since=since,
+                     live=not args.no_follow)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Exception as exc:  # no server, no JetStream: say so rather than print nothing
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.no_follow and not found[0]:
+        what = f"request {rid}" if rid else "these filters"
+        print(f"no log lines for {what} in the last {since:.0f} s", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -124,11 +189,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     from services.control.figures import gather
 
     settings = Settings.from_args(args)
-    if not settings.redis_url:
-        print("--redis-url (or STRATA_REDIS_URL) is required: services are found through the registry",
-              file=sys.stderr)
+    redis_url, where = _saved(settings, "redis_url")
+    if not redis_url:
+        print("--redis-url (or STRATA_REDIS_URL) is required: services are found through the registry "
+              "(no `strata up` saved one)", file=sys.stderr)
         return 2
-    figures = asyncio.run(gather(settings.redis_url, args.since, args.gateway_url))
+    if where and not args.json:
+        print(f"registry: {redis_url}{where}", file=sys.stderr)
+    figures = asyncio.run(gather(redis_url, args.since, args.gateway_url))
     if args.deployment:
         figures.deployments = [d for d in figures.deployments if d.name == args.deployment]
     report = diagnose(figures, Thresholds(itl_slo_s=args.itl_slo))
@@ -139,9 +207,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def _add_observability_commands(sub) -> None:
     p = sub.add_parser("logs", help="follow the services' log lines live (over NATS)")
     p.add_argument("--service", choices=["gateway", "scheduler", "engine", "scaler", "control"])
-    p.add_argument("--request", metavar="ID", help="only the lines of this request id")
+    p.add_argument("--request", metavar="ID", help="only the lines of this request: the response's id "
+                                                   "(chatcmpl-..., cmpl-...) or its x-request-id header")
     p.add_argument("--since", type=_duration, default=0.0, metavar="DURATION",
-                   help="start this far back, e.g. 5m (replayed from JetStream), then follow")
+                   help="start this far back, e.g. 5m (replayed from JetStream), then follow "
+                        "(default: live only; with --request or --no-follow, the hour JetStream keeps)")
+    p.add_argument("--no-follow", action="store_true", help="print what was logged and exit (1 if nothing)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     Settings.add_arguments(p)
     p.set_defaults(func=cmd_logs)
@@ -166,7 +237,8 @@ def _api(args: argparse.Namespace, call, render) -> int:
 
     from services.control.client import ControlClient, ControlError
 
-    client = ControlClient(args.control_url, args.api_key)
+    client = ControlClient(args.control_url, args.api_key, home=Path(args.settings_home) if args.settings_home else None)
+    print(f"control: {client.url} ({client.source})", file=sys.stderr)
     try:
         result = call(client)
     except ControlError as exc:
@@ -201,11 +273,16 @@ def render_status(d: dict) -> str:
     for s in d.get("scaler", []):
         lines.append(f"  scaler:     r{s['revision']} desired {s['desired']} (ready {s['ready']}, "
                      f"starting {s['starting']}){' PANIC' if s['panic'] else ''}: {s['reason']}")
+    if d.get("analysis") and d["analysis"]["status"] == "running":
+        a = d["analysis"]
+        lines.append(f"  canary:     r{a['canary']} analysis at {a['step']}% "
+                     f"({(a['last'] or {}).get('reason', 'starting')}; strata canary status {dep['name']})")
     lines.append("")
     lines.append(_table([[r["replica_id"], f"r{r['revision']}", r["state"], r["running"], r["waiting"],
-                          f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"]]
-                         for r in d["replicas"]],
-                        ["REPLICA", "REV", "STATE", "RUNNING", "WAITING", "KV", "TOK/S", "TTFT P90", "DONE", "FAILED"])
+                          f"{r['kv_usage']:.0%}", r["tokens_per_s"], _ms(r["ttft_p90_s"]), r["finished"], r["failed"],
+                          r.get("metrics_url")] for r in d["replicas"]],
+                        ["REPLICA", "REV", "STATE", "RUNNING", "WAITING", "KV", "TOK/S", "TTFT P90", "DONE", "FAILED",
+                         "METRICS"])
                  if d["replicas"] else "  no replicas")
     return "\n".join(lines)
 
@@ -220,7 +297,38 @@ def render_list(d: dict) -> str:
 def render_change(d: dict) -> str:
     dep = d["deployment"]
     rev = f"revision {d['revision']} applied; " if "revision" in d else ""
-    return f"{dep['name']}: {rev}traffic {_serving(d.get('serving') or {str(dep['stable']): 100})}"
+    line = f"{dep['name']}: {rev}traffic {_serving(d['serving'])}"
+    if d.get("analysis"):
+        steps = " -> ".join(f"{w}%" for w in d["analysis"]["steps"] if w < 100)
+        line += (f"\n  canary analysis: r{dep['canary']} at {steps}, then promoted to 100% (or rolled back when "
+                 f"worse than r{dep['stable']}); `strata canary status {dep['name']}` follows it")
+    return line
+
+
+def _verdict_lines(v: dict) -> list[str]:
+    lines = [f"    {v['decision'].upper()} at {v['step']}%: {v['reason']}"]
+    lines += [f"      {'x' if c['failed'] else '-'} {c['detail']}" for c in v.get("checks", [])]
+    return lines
+
+
+def render_canary_status(d: dict) -> str:
+    import datetime
+
+    a = d["analysis"]
+    at = datetime.datetime.fromtimestamp(a["started_at"]).strftime("%Y-%m-%d %H:%M:%S")
+    lines = [f"canary analysis of {a['deployment']}: r{a['canary']} against stable r{a['stable']} (started {at})",
+             f"  status:  {a['status']}" + (f" ({a['reason']})" if a["reason"] else ""),
+             f"  steps:   " + " -> ".join(f"[{w}%]" if i == a["step_index"] and a["status"] == "running" else f"{w}%"
+                                        for i, w in enumerate(a["steps"])) + " -> promote",
+             f"  traffic: {_serving(d['serving'])}"]
+    if a["last"] and a["status"] == "running":
+        lines.append("  now:")
+        lines += _verdict_lines(a["last"])
+    if a["verdicts"]:
+        lines.append("  decided:")
+        for v in a["verdicts"]:
+            lines += _verdict_lines(v)
+    return "\n".join(lines)
 
 
 def render_history(d: dict) -> str:
@@ -253,6 +361,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
+    """`strata canary NAME --weight W [--revision R]`, or `strata canary status NAME`."""
+    if args.name == "status" and args.target:
+        return _api(args, lambda c: c.canary_status(args.target), render_canary_status)
+    if args.target:
+        print(f"error: unexpected argument {args.target!r} (strata canary NAME --weight W, or strata canary "
+              f"status NAME)", file=sys.stderr)
+        return 2
+    if args.weight is None:
+        print("error: --weight is required to change the canary's share (strata canary status NAME shows its "
+              "analysis)", file=sys.stderr)
+        return 2
     return _api(args, lambda c: c.canary(args.name, args.weight, args.revision), render_change)
 
 
@@ -275,6 +394,8 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def _control_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
     p.add_argument("--control-url", default="", help="(env STRATA_CONTROL_URL; default: from `strata up`)")
     p.add_argument("--api-key", default="", help="an admin key (env STRATA_API_KEY; default: from `strata up`)")
+    p.add_argument("--home", dest="settings_home", default=None,
+                   help="where `strata up` saved its addresses (env STRATA_HOME; default ~/.strata)")
     if json_output:
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -315,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the key straight into Redis instead of through control (the first admin key)")
     _control_args(p)
     p.set_defaults(func=cmd_keys_create)
+    p = keys_sub.add_parser("list", help="every key's id, name, limits and creation time (never the key itself)")
+    _control_args(p)
+    p.set_defaults(func=cmd_keys_list)
+    p = keys_sub.add_parser("revoke", help="revoke a key: every gateway refuses it within a second")
+    p.add_argument("id", help="the key's id (from strata keys list; 8 or more of its characters) or the key itself")
+    _control_args(p)
+    p.set_defaults(func=cmd_keys_revoke)
     _add_observability_commands(sub)
 
     sub.add_parser("simulate", add_help=False,
@@ -329,9 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     _control_args(p)
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("canary", help="send a share of traffic to the canary revision")
-    p.add_argument("name")
-    p.add_argument("--weight", type=int, required=True, help="percent of traffic, 0-100")
+    p = sub.add_parser("canary", help="send a share of traffic to the canary revision; `strata canary status NAME`: "
+                                      "its automatic analysis")
+    p.add_argument("name", help="the deployment (or `status`, then the deployment)")
+    p.add_argument("target", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("--weight", type=int, default=None, help="percent of traffic, 0-100")
     p.add_argument("--revision", type=int, default=None, help="make this revision the canary")
     _control_args(p)
     p.set_defaults(func=cmd_canary)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -28,25 +29,38 @@ def cli_config_path(home: Path | None = None) -> Path:
     return (home or default_home()) / "cli.json"
 
 
-def write_cli_config(control_url: str, api_key: str, home: Path | None = None) -> Path:
+def write_cli_config(control_url: str, api_key: str, home: Path | None = None, **urls: str) -> Path:
+    """What `strata up` printed, for the commands that follow: control's URL and the admin key,
+    and every other address (base_url, nats_url, redis_url, dashboard_url, log_dir)."""
     path = cli_config_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"control_url": control_url, "api_key": api_key}))
+    path.write_text(json.dumps({"control_url": control_url, "api_key": api_key, **urls}, indent=2))
     path.chmod(0o600)  # holds an admin key
     return path
 
 
+def read_cli_config(home: Path | None = None) -> dict:
+    path = cli_config_path(home)
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 class ControlClient:
-    def __init__(self, url: str = "", api_key: str = "", timeout: float = 30.0):
-        saved = {}
-        path = cli_config_path()
-        if path.exists():
-            try:
-                saved = json.loads(path.read_text())
-            except ValueError:
-                saved = {}
-        self.url = (url or os.environ.get("STRATA_CONTROL_URL") or saved.get("control_url")
-                    or "http://127.0.0.1:8081").rstrip("/")
+    def __init__(self, url: str = "", api_key: str = "", timeout: float = 30.0, home: Path | None = None):
+        path = cli_config_path(home)
+        saved = read_cli_config(home)
+        if url:
+            self.url, self.source = url, "--control-url"
+        elif os.environ.get("STRATA_CONTROL_URL"):
+            self.url, self.source = os.environ["STRATA_CONTROL_URL"], "STRATA_CONTROL_URL"
+        elif saved.get("control_url"):
+            self.url, self.source = saved["control_url"], f"{path}, written by strata up"
+        else:
+            self.url, self.source = "http://127.0.0.1:8081", f"the default: no --control-url, STRATA_CONTROL_URL or {path}"
+        self.url = self.url.rstrip("/")
         self.api_key = api_key or os.environ.get("STRATA_API_KEY") or saved.get("api_key", "")
         self.timeout = timeout
 
@@ -65,7 +79,8 @@ class ControlClient:
                 body = {"error": {"message": f"HTTP {exc.code}"}}
             raise ControlError(exc.code, body) from None
         except urllib.error.URLError as exc:
-            raise ControlError(0, {"error": {"message": f"cannot reach control at {self.url}: {exc.reason}"}}) from None
+            raise ControlError(0, {"error": {"message": f"cannot reach control at {self.url} ({self.source}): "
+                                                        f"{exc.reason}"}}) from None
 
     def deploy(self, spec_text: str) -> dict:
         return self.call("POST", "/api/v1/deployments", text=spec_text)
@@ -91,6 +106,15 @@ class ControlClient:
 
     def delete(self, name: str) -> dict:
         return self.call("DELETE", f"/api/v1/deployments/{name}")
+
+    def canary_status(self, name: str) -> dict:
+        return self.call("GET", f"/api/v1/deployments/{name}/canary")
+
+    def keys(self) -> dict:
+        return self.call("GET", "/api/v1/keys")
+
+    def revoke_key(self, key_id: str) -> dict:
+        return self.call("DELETE", f"/api/v1/keys/{urllib.parse.quote(key_id, safe='')}")
 
     def create_key(self, name: str, rpm: int = 0, tpm: int = 0, priority: str = "standard",
                    admin: bool = False) -> dict:

@@ -27,6 +27,8 @@ class Thresholds:
     low_concurrency: float = 0.5  # requests per replica below this fraction of max_num_seqs
     reachable_min: float = 0.2  # prefix fraction worth routing for
     hit_gap: float = 0.5  # hit rate below this fraction of the reachable rate: routing misses
+    cold_start_margin_s: float = 5.0  # a replica whose metrics cover less of the window than this started in it
+    cold_start_share: float = 0.5  # of the admission wait spent before a replica was ready: a cold start
     error_ratio: float = 3.0  # a revision with this many times another's error rate
     error_rate_min: float = 0.05
     latency_ratio: float = 2.0  # a revision this many times slower than another
@@ -51,6 +53,7 @@ class EngineFigures:
     prefix_queries: float = 0.0  # prompt tokens looked up
     prefix_hits: float = 0.0
     preemptions: float = 0.0
+    cold_start_wait_s: float = 0.0  # admission wait of requests queued before this replica was ready, summed
     steps: float = 0.0
     step_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase in the window
 
@@ -75,6 +78,9 @@ class DeploymentFigures:
     lookups: float = 0.0
     settings: dict[str, str] = field(default_factory=dict)  # the deployment's stored settings
     replicas: list[EngineFigures] = field(default_factory=list)
+    window_s: float = 0.0  # the window the figures cover (a replica covering less started in it)
+    events: list[dict] = field(default_factory=list)  # its history's changes in the window, oldest first
+    now: float = 0.0  # unix seconds, when the figures were read
 
 
 @dataclass
@@ -168,12 +174,49 @@ STEP_FIXES = {
 
 
 # ---- rules -------------------------------------------------------------------------------------
+def _started_in_window(d: DeploymentFigures, t: Thresholds) -> list[EngineFigures]:
+    """Replicas that started during the window: their metrics cover less of it."""
+    return [r for r in d.replicas if r.state != "unreachable" and d.window_s > 0
+            and r.window_s < d.window_s - t.cold_start_margin_s]
+
+
+def _cold_start(d: DeploymentFigures, t: Thresholds, share: float) -> Finding | None:
+    """Most of the admission wait was requests queued before a replica was ready (each engine
+    counts those), and no replica up all along was busy: the requests waited for a replica to
+    exist (scale from zero, a new deployment), not for room on a full one."""
+    waited = d.layers.get("admission_wait", 0.0)
+    cold = sum(r.cold_start_wait_s for r in d.replicas)
+    young = [r for r in _started_in_window(d, t) if r.cold_start_wait_s > 0] or _started_in_window(d, t)
+    old = [r for r in _ready(d) if r not in young]
+    busy = [r for r in old if r.concurrency >= t.low_concurrency * r.max_num_seqs]
+    if waited <= 0 or cold < t.cold_start_share * waited or busy:
+        return None
+    starts = ", ".join(f"{r.replica_id} {max(d.window_s - r.window_s, 0):.0f} s into the window" for r in young)
+    summary = (f"{share:.0%} of TTFT is admission wait while replicas started: a cold start, not saturation"
+               + ("" if old else " (no replica was up when the window began)"))
+    evidence = [f"mean admission wait {_ms(waited / d.requests)} of a mean TTFT of {_ms(d.ttft_sum / d.requests)} "
+                f"over {d.requests:.0f} requests; {min(cold / waited, 1):.0%} of it before a replica was ready",
+                f"started in the {d.window_s:.0f} s window: {starts or 'none (the wait ended as one came up)'}",
+                "replicas now: " + (", ".join(f"{r.replica_id} {r.state}, {r.concurrency:.1f} requests in flight on "
+                                              f"average (max_num_seqs {r.max_num_seqs})" for r in d.replicas)
+                                    or "none")]
+    scale_to_zero = d.settings.get("min_replicas") == "0"
+    fix = ("the deployment scales to zero (replicas.min 0): keep replicas.min at 1 where a first request must not "
+           "wait for a cold start" if scale_to_zero else
+           "a cold start: expected once per new replica; if it recurs, keep more replicas warm (replicas.min) or "
+           "shorten the start (a smaller model, weights on local disk)")
+    return Finding("infrastructure", "cold start", d.name, summary, evidence, fix, share)
+
+
 def _admission(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     if d.requests < t.min_requests or d.ttft_sum <= 0:
         return None
     share = d.layers.get("admission_wait", 0.0) / d.ttft_sum
     if share < t.admission_share:
         return None
+    cold = _cold_start(d, t, share)
+    if cold is not None:
+        return cold
     ready = _ready(d)
     max_replicas = int(d.settings["max_replicas"]) if d.settings.get("max_replicas", "").isdigit() else None
     at_max = max_replicas is not None and len(ready) >= max_replicas
@@ -286,7 +329,30 @@ def _revisions(d: DeploymentFigures, t: Thresholds) -> Finding | None:
     return None
 
 
-RULES = (_revisions, _admission, _routing, _token_latency, _engine_queue)
+ANALYSIS_ACTOR = "canary-analysis"  # services.control.canary_driver's name in the history
+
+
+def _automatic_rollback(d: DeploymentFigures, t: Thresholds) -> Finding | None:
+    """The canary analysis rolled a revision back in the window: a tooling-layer event (a bad
+    deploy the tooling caught), which explains what the canary's requests saw before it."""
+    rollbacks = [e for e in d.events if e.get("actor") == ANALYSIS_ACTOR and e.get("action") == "rollback"]
+    if not rollbacks:
+        return None
+    e = rollbacks[-1]
+    a = e.get("analysis", {})
+    ago = f"{max(d.now - e['at'], 0):.0f} s ago" if d.now else "in the window"
+    summary = (f"the canary analysis rolled revision {a.get('canary_revision', '?')} back {ago} at {a.get('step')}% "
+               f"of traffic: it was worse than revision {a.get('stable_revision', '?')}")
+    evidence = [a.get("reason", "")] + [c["detail"] for c in a.get("checks", []) if not c.get("failed")]
+    evidence.append(f"{a.get('canary_requests', 0)} canary and {a.get('stable_requests', 0)} stable requests over "
+                    f"{a.get('window_s', 0):.0f} s; traffic is back on revision {e.get('stable')}")
+    return Finding("tooling", "canary rollback", d.name, summary, [x for x in evidence if x],
+                   f"nothing to undo: revision {a.get('canary_revision', '?')} serves no traffic; fix it and deploy a "
+                   f"new revision (`strata history {d.name}` has the analysis' figures)",
+                   2.0 + (a.get("step") or 0) / 100)  # above a bad revision still serving: it explains that
+
+
+RULES = (_automatic_rollback, _revisions, _admission, _routing, _token_latency, _engine_queue)
 
 
 # ---- state -------------------------------------------------------------------------------------

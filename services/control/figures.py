@@ -11,6 +11,7 @@ routing policy and the replica bounds.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,8 +53,9 @@ async def scrape(http: aiohttp.ClientSession, url: str, since: float) -> Samples
         return None
 
 
-async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
-    """(engines: replica -> fields, services: kind -> {instance: fields}, deployment settings)."""
+async def _registered(redis_url: str) -> tuple[dict, dict, dict, dict]:
+    """(engines: replica -> fields, services: kind -> {instance: fields}, deployment settings,
+    deployment history events)."""
     redis = connect_redis(redis_url, "strata-diagnose")
     try:
         engines: dict[str, dict[str, str]] = {}
@@ -65,8 +67,9 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
                     engines[replica] = {k.decode(): v.decode() for k, v in entry.items()}
         services = {kind: await registry.services(redis, kind)
                     for kind in ("gateway", "scheduler", "scaler", "control")}
-        settings = {}
+        settings, events = {}, {}
         for name in await deployments.list_names(redis):
+            events[name] = await deployments.history(redis, name)
             d = await deployments.load(redis, name)
             if d is not None:
                 s = d.state
@@ -75,7 +78,7 @@ async def _registered(redis_url: str) -> tuple[dict, dict, dict]:
                                   "max_replicas": str(d.stable_spec.replicas.max)}
                 if s.canary:
                     settings[name].update(canary=str(s.canary), canary_weight=f"{s.canary_weight}%")
-        return engines, services, settings
+        return engines, services, settings, events
     finally:
         await redis.aclose()
 
@@ -102,6 +105,7 @@ def _engine(replica: str, fields: dict[str, str], s: Samples | None) -> EngineFi
     e.prefix_queries = s.total("strata:prefix_cache_queries_total", **m)
     e.prefix_hits = s.total("strata:prefix_cache_hits_total", **m)
     e.preemptions = s.total("strata:num_preemptions_total", **m)
+    e.cold_start_wait_s = s.total("strata:cold_start_wait_seconds_total", **m)
     e.steps = s.total("strata:engine_step_duration_seconds_count", **m)
     e.step_phases = s.by("strata:engine_step_seconds_sum", "phase", **m)
     return e
@@ -133,7 +137,7 @@ def _deployment(name: str, settings: dict[str, str], gateways: list[Samples], sc
 
 async def gather(redis_url: str, since: float, gateway_urls: list[str] | None = None,
                  timeout: float = 3.0) -> Figures:
-    engines, services, settings = await _registered(redis_url)
+    engines, services, settings, events = await _registered(redis_url)
     for i, url in enumerate(gateway_urls or []):
         if url not in {f.get("http_url") for f in services["gateway"].values()}:
             services["gateway"][f"given-{i}"] = {"http_url": url}
@@ -151,6 +155,11 @@ async def gather(redis_url: str, since: float, gateway_urls: list[str] | None = 
     names = sorted({r.deployment for r in replicas} | set(settings))
     deployments = [_deployment(n, settings.get(n, {}), gateways, schedulers,
                                [r for r in replicas if r.deployment == n]) for n in names]
+    window = max((s.window_s for s in scraped.values() if s is not None), default=since)
+    now = time.time()
+    for d in deployments:
+        d.window_s, d.now = window, now
+        d.events = [e for e in events.get(d.name, []) if e.get("at", 0) >= now - window]
     service_figures = []
     for kind, instances in services.items():
         for instance, fields in sorted(instances.items()):

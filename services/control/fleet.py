@@ -82,15 +82,28 @@ class FleetView:
                 wait = max(wait, stats.oldest_wait_s.get(deployment, 0.0))
         return depth, wait
 
-    def deployments(self) -> set[str]:
-        return {hb.deployment for _, hb in self.replicas.values()}
+    def deployments(self, now: float | None = None, unmanaged_only: bool = False) -> set[str]:
+        """Deployments with live replicas (only those outside control, revision 0, if asked)."""
+        now = time.monotonic() if now is None else now
+        return {hb.deployment for seen, hb in self.replicas.values()
+                if now - seen <= self.stale_after and not (unmanaged_only and hb.revision)}
+
+    def forget(self, deployment: str) -> None:
+        """A deleted deployment: its history goes; its draining replicas age out as usual."""
+        self.history.pop(deployment, None)
+        self._layers.pop(deployment, None)
+        self._completed.pop(deployment, None)
 
     def sample(self, now: float | None = None, wall: float | None = None) -> None:
         """Record one point of every deployment's history (call every couple of seconds)."""
         now = time.monotonic() if now is None else now
         interval = max(now - self._last_sample_at, 1e-3) if self._last_sample_at is not None else None
         self._last_sample_at = now
-        for name in self.deployments():
+        for rid in [rid for rid, (seen, _) in self.replicas.items() if now - seen > 60.0]:
+            del self.replicas[rid]  # long gone
+            self._last_counts.pop(rid, None)
+        # Deployments with live replicas, and those with a history (scaled to zero: zeros).
+        for name in self.deployments(now) | set(self.history):
             live = self.live_replicas(name, now)
             finished = failed = 0
             by_revision: dict[int, dict[str, float]] = {}

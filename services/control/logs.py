@@ -12,7 +12,21 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 from shared import protocol
+from shared.logstream import STREAM_MAX_AGE_S as RETENTION_S  # how far back JetStream keeps lines
 from shared.protocol import LogLine
+
+# The id a client sees is the response's `id` (`chatcmpl-<id>`, `cmpl-<id>`) or the
+# `x-request-id` header (`<id>`); the services log `<id>`.
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def request_id(given: str) -> str:
+    """The request id the services log, from a response id or an x-request-id."""
+    given = given.strip()
+    for prefix in RESPONSE_ID_PREFIXES:
+        if given.startswith(prefix):
+            return given[len(prefix):]
+    return given
 
 
 def matches(line: LogLine, service: str | None, request_id: str | None) -> bool:
@@ -31,31 +45,59 @@ def render(line: LogLine, as_json: bool) -> str:
 
 
 async def follow(nats_url: str, emit: Callable[[LogLine], None], stop: asyncio.Event, service: str | None = None,
-                 request_id: str | None = None, since: float = 0.0) -> None:
+                 request_id: str | None = None, since: float = 0.0, live: bool = True) -> None:
     """Call emit(line) for every matching line until `stop` is set. since > 0: start that many
-    seconds back (needs JetStream on the server)."""
+    seconds back (needs JetStream on the server). live=False: only what was logged (from
+    `since` back to now), then return."""
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     subject = protocol.logs(service, "*") if service else protocol.LOGS_ALL
-    nc = await nats.connect(servers=[nats_url], name="strata-logs", connect_timeout=5)
+    nc = await nats.connect(servers=[nats_url], name="strata-logs", connect_timeout=5, allow_reconnect=live)
 
-    async def on_message(msg) -> None:
+    def on_data(data: bytes) -> None:
         try:
-            line = protocol.decode(LogLine, msg.data)
+            line = protocol.decode(LogLine, data)
         except protocol.ProtocolError:
             return
         if matches(line, service, request_id):
             emit(line)
 
+    async def on_message(msg) -> None:
+        on_data(msg.data)
+
+    start = datetime.now(timezone.utc) - timedelta(seconds=since)
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
     try:
+        if not live:
+            await _replay(nc.jetstream(), subject, config, on_data, stop)
+            return
         if since > 0:
-            start = datetime.now(timezone.utc) - timedelta(seconds=since)
-            await nc.jetstream().subscribe(subject, cb=on_message, ordered_consumer=True, config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
+            await nc.jetstream().subscribe(subject, cb=on_message, ordered_consumer=True, config=config)
         else:
             await nc.subscribe(subject, cb=on_message)
         await stop.wait()
     finally:
         await nc.close()
 
+
+async def _replay(js, subject: str, config, on_data: Callable[[bytes], None], stop: asyncio.Event) -> None:
+    """Every stored line from the consumer's start to what the stream holds now: an ephemeral
+    pull consumer, fetched until nothing is pending."""
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    sub = await js.pull_subscribe(subject, config=config)
+    try:
+        if (await sub.consumer_info()).num_pending == 0:
+            return
+        while not stop.is_set():
+            try:
+                batch = await sub.fetch(512, timeout=2.0)
+            except NatsTimeoutError:
+                return
+            for msg in batch:
+                on_data(msg.data)
+            if batch and batch[-1].metadata.num_pending == 0:
+                return
+    finally:
+        await sub.unsubscribe()

@@ -19,14 +19,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from services.control import spec as specs
+from services.control.canary_driver import CanaryDriver, read_run
 from services.control.fleet import FleetView
 from services.control.store import DeploymentError, DeploymentStore
-from services.gateway.auth import ApiKey, KeyStore, create_key
+from services.gateway.auth import ApiKey, KeyNotFound, KeyStore, create_key, hash_key, key_id, list_keys, revoke_key
 from services.gateway.openai_api import ApiError, error_response
-from shared import adapters, deployments, protocol, registry
+from shared import adapters, deployments, http, protocol, registry
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, ScalerDecision, SchedulerStats
+from shared.protocol import DeploymentChanged, GatewayStats, Heartbeat, KeyRevoked, ScalerDecision, SchedulerStats
 from shared.store import connect_redis
 
 log = get_logger()
@@ -56,6 +57,7 @@ class ControlService:
                                registry=self.registry)
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task | None = None
+        self.analysis: CanaryDriver | None = None
         self.url = ""
 
     async def start(self) -> None:
@@ -64,16 +66,19 @@ class ControlService:
         self.redis = connect_redis(self.cfg.redis_url, f"control-{self.cfg.control_id}")
         self.store = DeploymentStore(self.redis)
         self.keys = KeyStore(self.redis, cache_ttl=2.0)
+        self.analysis = CanaryDriver(self.redis, self.store, self._announce, self.registry)
         await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
         await self.bus.subscribe(protocol.SCALER_STATUS, ScalerDecision, self._on_scaler_decision)
         await self.bus.subscribe(protocol.GATEWAY_STATS_ALL, GatewayStats, self._on_gateway_stats)
+        await self.bus.subscribe(protocol.CONTROL_KEYS, KeyRevoked, self._on_key_revoked)  # other controls' revocations
         self._sampler = asyncio.create_task(self._sample_loop())
+        self.analysis.start()
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
-        self.url = f"http://{self.cfg.host}:{site._server.sockets[0].getsockname()[1]}"
+        self.url = http.advertised_url(self.cfg.host, site._server.sockets[0].getsockname()[1])
         self._announcer = asyncio.create_task(registry.keep_announced(self.redis, "control", self.cfg.control_id,
                                                                       {"http_url": self.url}))
         log.info("control ready", url=self.url)
@@ -81,6 +86,7 @@ class ControlService:
     async def stop(self) -> None:
         self._sampler.cancel()
         self._announcer.cancel()
+        await self.analysis.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.bus.close()
@@ -95,12 +101,22 @@ class ControlService:
     async def _on_scaler_decision(self, decision: ScalerDecision, _raw) -> None:
         self.fleet.on_scaler_decision(decision)
 
+    async def _on_key_revoked(self, msg: KeyRevoked, _raw) -> None:
+        self.keys.forget(msg.key_hash)
+
     async def _on_gateway_stats(self, stats: GatewayStats, _raw) -> None:
         self.fleet.on_gateway_stats(stats)
+        self.analysis.on_gateway_stats(stats)
 
     async def _sample_loop(self) -> None:
         while True:
             self.fleet.sample()
+            try:  # deleted deployments (whose replicas may still drain) leave the fleet view
+                kept = set(await deployments.list_names(self.redis)) | self.fleet.deployments(unmanaged_only=True)
+                for name in set(self.fleet.history) - kept:
+                    self.fleet.forget(name)
+            except Exception as exc:  # Redis away: keep the history until it answers
+                log.warning("deployment list failed", error=str(exc))
             await asyncio.sleep(self.cfg.sample_interval)
 
     # ---- http plumbing ----------------------------------------------------------------------
@@ -118,7 +134,11 @@ class ControlService:
         app.router.add_post("/api/v1/deployments/{name}/promote", self.promote)
         app.router.add_post("/api/v1/deployments/{name}/rollback", self.rollback)
         app.router.add_get("/api/v1/deployments/{name}/history", self.history)
+        app.router.add_get("/api/v1/deployments/{name}/canary", self.canary_status)
         app.router.add_post("/api/v1/keys", self.create_key)
+        app.router.add_get("/api/v1/keys", self.get_keys)
+        app.router.add_delete("/api/v1/keys/{id}", self.delete_key)
+        app.router.add_get("/prometheus/targets", self.prometheus_targets)
         app.router.add_get("/api/v1/overview", self.overview)
         return app
 
@@ -201,8 +221,12 @@ class ControlService:
             await adapters.announce(self.bus, spec.name, "spec")
             log.info("lora adapters applied", deployment=spec.name, loaded=changed, unloaded=removed)
         await self._announce(spec.name, "adapters" if live else "apply", state)
-        return web.json_response({"deployment": asdict(state), "revision": state.latest, "live": live,
-                                  "adapters": {"loaded": changed, "unloaded": removed}}, status=200 if live else 201)
+        if not live:
+            await self.analysis.refresh(spec.name)  # a canary with an analysis: it starts now
+        return web.json_response({"deployment": asdict(state), "revision": state.latest, "serving": state.serving(),
+                                  "analysis": spec.canary.get("analysis") if state.canary == state.latest else None,
+                                  "live": live, "adapters": {"loaded": changed, "unloaded": removed}},
+                                 status=200 if live else 201)
 
     async def list_deployments(self, request: web.Request) -> web.Response:
         await self._admin(request)
@@ -227,12 +251,20 @@ class ControlService:
             if spec is not None:
                 revs[rev] = {"model": spec.model, "replicas": asdict(spec.replicas), "slo": asdict(spec.slo),
                              "traffic_percent": serving.get(rev, 0)}
-        return {"deployment": asdict(state), "serving": serving, "revisions": revs, **self.fleet.status(name)}
+        fleet = self.fleet.status(name)
+        live, _ = await registry.sweep(self.redis, name)  # the replicas' advertised /metrics
+        for replica in fleet["replicas"]:
+            url = live.get(replica["replica_id"], {}).get("http_url")
+            replica["metrics_url"] = f"{url}/metrics" if url else None
+        run = await read_run(self.redis, name)
+        return {"deployment": asdict(state), "serving": serving, "revisions": revs, **fleet,
+                "analysis": run.to_dict() if run else None}
 
     async def delete(self, request: web.Request) -> web.Response:
         await self._admin(request)
         name = request.match_info["name"]
         await self.store.delete(name)
+        self.fleet.forget(name)
         await self._announce(name, "delete", None)
         return web.json_response({"deleted": name})
 
@@ -288,16 +320,71 @@ class ControlService:
             raise ApiError(400, "priority must be critical, standard or sheddable; admin true or false",
                            "invalid_request_error", "priority")
         api_key = await create_key(self.redis, name, rpm=rpm, tpm=tpm, priority=priority, admin=admin)
-        return web.json_response({"api_key": api_key, "name": name}, status=201)
+        return web.json_response({"api_key": api_key, "name": name, "id": key_id(hash_key(api_key))}, status=201)
+
+    async def get_keys(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        return web.json_response({"keys": await list_keys(self.redis)})
+
+    async def delete_key(self, request: web.Request) -> web.Response:
+        """Delete a key and tell every gateway at once (each drops its cached lookup); a gateway
+        that misses the message forgets it when its cache entry expires."""
+        await self._admin(request)
+        try:
+            key_hash = await revoke_key(self.redis, request.match_info["id"])
+        except KeyNotFound as exc:
+            raise ApiError(404, str(exc), "invalid_request_error", "id", "not_found") from None
+        self.keys.forget(key_hash)
+        await self.bus.publish(protocol.CONTROL_KEYS, KeyRevoked(key_hash=key_hash))
+        log.info("api key revoked", key_id=key_id(key_hash))
+        return web.json_response({"revoked": key_id(key_hash)})
+
+    async def canary_status(self, request: web.Request) -> web.Response:
+        await self._admin(request)
+        name = request.match_info["name"]
+        state = await self._state(name)
+        run = await read_run(self.redis, name)
+        if run is None:
+            raise ApiError(404, f"deployment {name} has no canary analysis (give its canary an analysis: "
+                                f"canary: {{analysis: {{steps: [5, 25, 50, 100]}}}})", "invalid_request_error", "name",
+                           "not_found")
+        return web.json_response({"deployment": asdict(state), "serving": state.serving(), "analysis": run.to_dict()})
+
+    async def prometheus_targets(self, request: web.Request) -> web.Response:
+        """Prometheus HTTP service discovery (http_sd_configs): every registered engine (and with
+        ?kind=all, gateway, scheduler, scaler and control), labelled with its deployment and
+        revision. Addresses only, like /metrics: no key needed."""
+        kind = request.query.get("kind", "engine")
+        if kind not in ("engine", "all"):
+            raise ApiError(400, "kind must be engine or all", "invalid_request_error", "kind")
+        groups = []
+        for model in await registry.models(self.redis):
+            live, _ = await registry.sweep(self.redis, model)
+            for replica, fields in sorted(live.items()):
+                if fields.get("http_url"):
+                    groups.append({"targets": [fields["http_url"].split("://", 1)[1]],
+                                   "labels": {"kind": "engine", "deployment": fields.get("deployment", model),
+                                              "revision": fields.get("revision", "0"), "replica_id": replica}})
+        if kind == "all":
+            for service in ("gateway", "scheduler", "scaler", "control"):
+                for instance, fields in (await registry.services(self.redis, service)).items():
+                    if fields.get("http_url"):
+                        groups.append({"targets": [fields["http_url"].split("://", 1)[1]],
+                                       "labels": {"kind": service, "instance_id": instance}})
+        return web.json_response(groups)
 
     async def overview(self, request: web.Request) -> web.Response:
         """Everything the dashboard draws, in one call."""
         await self._admin(request)
-        names = set(await deployments.list_names(self.redis)) | self.fleet.deployments()
+        # Stored deployments, and models that live replicas serve outside control (revision 0): a
+        # deleted deployment's draining replicas do not keep it on the dashboard.
+        names = set(await deployments.list_names(self.redis)) | self.fleet.deployments(unmanaged_only=True)
         out = []
         for name in sorted(names):
             state = await deployments.read_state(self.redis, name)
+            run = await read_run(self.redis, name) if state else None
             out.append({"name": name, "deployment": asdict(state) if state else None,
                         "serving": state.serving() if state else {}, **self.fleet.status(name),
-                        "series": self.fleet.series(name), "layers": self.fleet.layers(name)})
+                        "series": self.fleet.series(name), "layers": self.fleet.layers(name),
+                        "analysis": run.to_dict() if run else None})
         return web.json_response({"at": time.time(), "deployments": out})

@@ -11,6 +11,9 @@ at once, so a bad file is fixed in one go:
     slo: {ttft_ms: 2000, itl_ms: 200}
     routing: {policy: kv_aware}
     canary: {weight: 20}        # > 0: this revision starts as a canary with that share of traffic
+    # or, judged and walked through its steps by control (services.control.canary):
+    # canary: {analysis: {steps: [5, 25, 50, 100], interval_s: 10, min_requests: 50, alpha: 0.05,
+    #                     thresholds: {ttft_p90_ratio: 1.5, itl_p50_ratio: 1.5, error_rate_diff: 0.02}}}
     scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
     adapters: [{name: sql, path: /adapters/sql}]  # LoRA adapters (needs engine.enable_lora), applied live
 
@@ -27,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from services.control.canary import parse_analysis
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
 from shared.deployments import DeploymentSpec, Replicas, Scaling, Slo
@@ -80,6 +84,28 @@ def _section(raw: Any, cls, where: str, errors: list) -> Any:
         else:
             values[key] = value
     return cls(**values)
+
+
+def _canary(raw: Any, errors: list) -> dict:
+    """`canary: {weight, analysis}`; with an analysis the weight is its first step (and may be
+    left out), and the analysis is stored with every default filled in (services.control.canary)."""
+    if not isinstance(raw, dict) or set(raw) - {"weight", "analysis"}:
+        errors.append(("canary", "must be a mapping with the fields weight and analysis"))
+        return {"weight": 0}
+    out = {"weight": raw.get("weight", 0)}
+    if not _check_type(out["weight"], int) or not 0 <= out["weight"] <= 100:
+        errors.append(("canary.weight", "must be an integer percentage from 0 to 100"))
+        return {"weight": 0}
+    if "analysis" in raw:
+        config, problems = parse_analysis(raw["analysis"])
+        errors.extend(problems)
+        if config is None:
+            return out
+        first = config.steps[0]
+        if "weight" in raw and out["weight"] != first:
+            errors.append(("canary.weight", f"must be the analysis' first step ({first}) or left out"))
+        out = {"weight": first, "analysis": config.to_dict()}
+    return out
 
 
 def parse_spec(text: str) -> dict:
@@ -162,12 +188,7 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     elif routing.get("policy", "kv_aware") not in POLICIES:
         errors.append(("routing.policy", f"must be one of {', '.join(POLICIES)}, got {routing.get('policy')!r}"))
 
-    canary = data.get("canary", {"weight": 0})
-    if not isinstance(canary, dict) or set(canary) - {"weight"}:
-        errors.append(("canary", "must be a mapping with one field, weight"))
-        canary = {"weight": 0}
-    elif not _check_type(canary.get("weight", 0), int) or not 0 <= canary.get("weight", 0) <= 100:
-        errors.append(("canary.weight", "must be an integer percentage from 0 to 100"))
+    canary = _canary(data.get("canary", {"weight": 0}), errors)
 
     adapter_list = _adapters(data.get("adapters", []), model if check_model and isinstance(model, str) else None,
                              engine, errors)

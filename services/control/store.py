@@ -5,6 +5,7 @@
                                              routing_policy, generation, updated_at
     strata:deployment:<name>:revision:<n>    the spec of revision n (JSON), never rewritten
     strata:deployment:<name>:history         list of change events (JSON)
+    strata:deployment:<name>:analysis        the canary analysis of the current canary (JSON)
 
 Every change is one optimistic transaction (WATCH on the state hash), so several control
 replicas can serve the API at once. Readers (`read_state`, `read_spec`) are used by the
@@ -37,8 +38,10 @@ class DeploymentStore:
     def __init__(self, redis: aioredis.Redis):
         self.redis = redis
 
-    async def _change(self, name: str, action: str, change, actor: str = "") -> DeploymentState:
-        """Run change(state) -> (new state, new spec or None) atomically; records history."""
+    async def _change(self, name: str, action: str, change, actor: str = "", details: dict | None = None
+                      ) -> DeploymentState:
+        """Run change(state) -> (new state, new spec or None) atomically; records history (with
+        `details`, e.g. the canary analysis' verdict and figures, under `analysis`)."""
         key = keys.deployment(name)
         while True:
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -52,6 +55,8 @@ class DeploymentStore:
                     event = {"at": state.updated_at, "action": action, "actor": actor, "stable": state.stable,
                              "canary": state.canary, "canary_weight": state.canary_weight,
                              "generation": state.generation}
+                    if details is not None:
+                        event["analysis"] = details
                     pipe.multi()
                     if new_spec is not None:
                         event["revision"] = state.latest
@@ -121,12 +126,36 @@ class DeploymentStore:
             state = self._existing(name, current)
             if not state.canary:
                 raise DeploymentError(409, f"deployment {name} has no canary to promote")
-            spec = await read_spec(self.redis, name, state.canary)
-            state.stable, state.canary, state.canary_weight = state.canary, 0, 0
-            state.routing_policy = spec.routing_policy if spec else state.routing_policy
-            return state, None
+            return await self._promoted(name, state), None
 
         return await self._change(name, "promote", change, actor)
+
+    async def _promoted(self, name: str, state: DeploymentState) -> DeploymentState:
+        spec = await read_spec(self.redis, name, state.canary)
+        state.stable, state.canary, state.canary_weight = state.canary, 0, 0
+        state.routing_policy = spec.routing_policy if spec else state.routing_policy
+        return state
+
+    async def analysis_step(self, name: str, canary: int, weight_before: int, action: str, weight: int,
+                            details: dict, actor: str = "canary-analysis") -> DeploymentState:
+        """The canary analysis acts: `canary` (a new weight), `promote` or `rollback`, only if the
+        canary and its weight are still what it judged (else 409: someone changed them meanwhile)."""
+        async def change(current: DeploymentState | None):
+            state = self._existing(name, current)
+            if (state.canary, state.canary_weight) != (canary, weight_before):
+                raise DeploymentError(409, f"deployment {name} changed during the analysis (canary r{state.canary} "
+                                           f"at {state.canary_weight}%, judged r{canary} at {weight_before}%)")
+            if action == "promote":
+                return await self._promoted(name, state), None
+            if action == "rollback":
+                state.canary, state.canary_weight = 0, 0
+            else:
+                state.canary_weight = weight
+            return state, None
+
+        if action not in ("canary", "promote", "rollback"):
+            raise ValueError(f"unknown analysis action {action!r}")
+        return await self._change(name, action, change, actor, details)
 
     async def rollback(self, name: str, to: int | None = None, actor: str = "") -> DeploymentState:
         """Without `to`: drop the canary if there is one, else go back to the previous stable
@@ -165,7 +194,8 @@ class DeploymentStore:
         if state is None:
             raise DeploymentError(404, f"deployment {name} does not exist", "not_found")
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.deployment(name), keys.deployment_history(name), keys.lora_adapters(name))
+            pipe.delete(keys.deployment(name), keys.deployment_history(name), keys.deployment_analysis(name),
+                        keys.lora_adapters(name))
             for rev in range(1, state.latest + 1):
                 pipe.delete(keys.deployment_revision(name, rev))
             pipe.srem(keys.DEPLOYMENTS, name)

@@ -41,6 +41,8 @@ class TorchOps:
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -1,4 +1,6 @@
-"""Prometheus metrics of an engine replica, with vLLM's names under the `strata:` prefix."""
+"""Prometheus metrics of an engine replica, with vLLM's names under the `strata:` prefix, and
+the same series again under vLLM's own names and labels (`vllm:...{model_name, engine}`), so
+dashboards, alerts, KEDA/HPA rules and scrapers written for vLLM work unchanged."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from services.engine.model_runner import STEP_PHASES, StepTimings
 
@@ -20,15 +23,20 @@ class EngineMetrics:
         labels = ["model_name", "replica"]
         self._values = {"model_name": model, "replica": replica_id}
         r = self.registry
+        vllm_named = []  # the families vLLM has too (not the step phases, which are Strata's own)
+
+        def family(metric):
+            vllm_named.append(metric)
+            return metric
 
         def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(**self._values)
+            return family(Gauge(name, doc, labels, registry=r)).labels(**self._values)
 
         def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(**self._values)
+            return family(Counter(name, doc, labels, registry=r)).labels(**self._values)
 
         def histogram(name, doc):
-            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(**self._values)
+            return family(Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)).labels(**self._values)
 
         self.running = gauge("strata:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("strata:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -52,16 +60,29 @@ class EngineMetrics:
         self.step_duration = Histogram("strata:engine_step_duration_seconds",
                                        "Engine step wall time (the sum of its phases).", labels,
                                        buckets=_STEP_BUCKETS, registry=r).labels(**self._values)
-        self._success = Counter("strata:request_success", "Finished requests by reason.",
-                                labels + ["finished_reason"], registry=r)
+        self._success = family(Counter("strata:request_success", "Finished requests by reason.",
+                                       labels + ["finished_reason"], registry=r))
         # LoRA, as vLLM names it: one sample whose labels list the adapters of running and
         # waiting requests (comma-separated) and the slot count; its value is when it was set.
-        self._lora_info = Gauge("strata:lora_requests_info", "LoRA adapters of running and waiting requests.",
-                                labels + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
-        self.lora_loads = counter("strata:lora_adapter_loads", "LoRA adapters made resident in a device slot.")
-        self.lora_evictions = counter("strata:lora_adapter_evictions",
-                                      "Resident LoRA adapters replaced by another in their device slot.")
-        self.lora_disk_loads = counter("strata:lora_adapter_disk_loads", "LoRA adapters read from disk into host memory.")
+        self._lora_info = family(Gauge("strata:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                       labels + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                                       registry=r))
+        r.register(VllmNames(vllm_named))
+        # Strata's own: requests that waited in an admission queue for this replica to start.
+        self.cold_start_requests = Counter("strata:cold_start_requests",
+                                           "Requests that reached a scheduler before this replica was ready, and "
+                                           "waited in its admission queue.", labels, registry=r).labels(**self._values)
+        self.cold_start_wait = Counter("strata:cold_start_wait_seconds",
+                                       "Seconds those requests waited before this replica was ready (its cold start), "
+                                       "summed.", labels, registry=r).labels(**self._values)
+        # Strata's own: LoRA adapter slot fills, evictions and disk reads.
+        self.lora_loads = Counter("strata:lora_adapter_loads", "LoRA adapters made resident in a device slot.",
+                                  labels, registry=r).labels(**self._values)
+        self.lora_evictions = Counter("strata:lora_adapter_evictions",
+                                      "Resident LoRA adapters replaced by another in their device slot.",
+                                      labels, registry=r).labels(**self._values)
+        self.lora_disk_loads = Counter("strata:lora_adapter_disk_loads", "LoRA adapters read from disk into host memory.",
+                                       labels, registry=r).labels(**self._values)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0, "lora_loads": 0, "lora_evictions": 0,
                       "lora_disk_loads": 0}
         self.recent_ttft = LatencyWindow()
@@ -79,6 +100,14 @@ class EngineMetrics:
         self._success.labels(**self._values, finished_reason=reason).inc()
         self.finished_total += 1
         self.failed_total += reason == "error"
+
+    def arrived(self, timestamps: dict[str, float], ready_at: float) -> None:
+        """A request's hop timestamps (unix seconds) on arrival: one that was queued at a
+        scheduler before this replica was ready waited (also) for its cold start."""
+        received = timestamps.get("scheduler_received")
+        if received is not None and "scheduler_dequeued" in timestamps and received < ready_at:
+            self.cold_start_requests.inc()
+            self.cold_start_wait.inc(ready_at - received)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -108,6 +137,31 @@ class EngineMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = stats[stat]
+
+
+class VllmNames:
+    """A collector that re-exports Strata's engine series under vLLM's names: `strata:X` becomes
+    `vllm:X` with vLLM's labels (`model_name`, and `engine`, the engine's index in its process:
+    always "0", one engine per worker); `replica` stays as a label of its own. The values are
+    the same objects' at collection time, so the two names can never disagree."""
+
+    PREFIX, VLLM_PREFIX = "strata:", "vllm:"
+
+    def __init__(self, families: list):
+        self._families = families  # Strata's metric objects (the labelled parents)
+
+    def collect(self):
+        for metric in self._families:
+            for family in metric.collect():
+                name = self.VLLM_PREFIX + family.name.removeprefix(self.PREFIX)
+                copy = Metric(name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    copy.add_sample(self.VLLM_PREFIX + sample.name.removeprefix(self.PREFIX),
+                                    {**sample.labels, "engine": "0"}, sample.value, sample.timestamp, sample.exemplar)
+                yield copy
+
+    def describe(self):
+        return []  # names are only known at collection: nothing to check for clashes at registration
 
 
 class LatencyWindow:

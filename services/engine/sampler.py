@@ -9,10 +9,12 @@ The kept candidate set of a row is an intersection of thresholds on its scaled l
 in this order: top-k (the k-th largest value; ties with it stay), top-p (over the top-k set,
 renormalized: the smallest prefix by descending probability whose mass reaches top_p, the
 token that crosses it and its ties included), min-p (probability at least min_p times the
-largest). Nothing sorts the vocabulary: top-k rows pick from `topk(max_k + 1)` candidates; rows
-without top-k sample the whole row by inverse CDF, and top-p there is exact rejection sampling
-(draw from the row above a pivot, accept if the token is inside the top-p set, else raise the
-pivot to it), which needs about 1 / top_p rounds.
+largest). Nothing sorts the vocabulary: top-k rows pick among their k largest values and the
+k-th's ties; rows without top-k sample the whole row by inverse CDF, and top-p there is exact
+rejection sampling (draw from the row above a pivot, accept if the token is inside the top-p
+set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the vocabulary-wide
+passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
+read the logits in the model's dtype; elsewhere the same steps run as torch ops.
 
 Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
 (seed, output position, round), so a row's tokens depend on nothing else in the batch and a
@@ -84,7 +86,6 @@ class SamplingBatch:
     num_rows: int
     device: torch.device
     all_greedy: bool = True
-    greedy: torch.Tensor | None = None  # [n] bool
     temperature: torch.Tensor | None = None  # [n, 1]; 1 on greedy rows
     top_k_rows: list[int] = field(default_factory=list)  # sampled rows with top-k on
     top_k: torch.Tensor | None = None  # [len(top_k_rows), 1] int64
@@ -142,7 +143,6 @@ class Sampler:
         def column(values, dtype=torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).view(-1, 1).to(dev, non_blocking=True)
 
-        batch.greedy = torch.tensor(greedy).to(dev, non_blocking=True)
         batch.temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)])
         for i in sampled:
             p = params[i]

@@ -93,6 +93,7 @@ class EngineWorker:
         self._drain_aborted: set[str] = set()
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
         self._accepted_total = 0
+        self.ready_at = 0.0  # unix seconds
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,7 +118,7 @@ class EngineWorker:
         self._spawn(self._publish_kv_events())
         self._spawn(self._publish_outbox())
         self._spawn(self.history.run())
-        self.state = "ready"
+        self.state, self.ready_at = "ready", time.time()
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
         log.info("engine ready", model=cfg.model_dir, deployment=cfg.deployment, http=self.http_url,
@@ -180,6 +181,7 @@ class EngineWorker:
         if self.state != "ready":
             await self._refuse(req, raw, ErrorCode.UNAVAILABLE, f"replica {self.cfg.replica_id} is {self.state}")
             return
+        self.metrics.arrived(req.timestamps, self.ready_at)
         if req.deadline is not None and req.deadline <= time.time():
             await self._refuse(req, raw, ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the request arrived")
             return
@@ -301,7 +303,7 @@ class EngineWorker:
         self.metrics.finished("error")
         self._emit(req.reply_to, TokenChunk(request_id=req.request_id, seq=seq_no, finish_reason="error",
                                             error=ErrorInfo(code=code, message=message),
-                                            replica_id=self.cfg.replica_id))
+                                            replica_id=self.cfg.replica_id, revision=self.cfg.revision or None))
 
     def _chunk(self, req: GenerateRequest, seq_no: int, last: RequestOutput) -> TokenChunk:
         chunk = TokenChunk(request_id=req.request_id, seq=seq_no, token_ids=last.new_token_ids, text=last.text_delta,

@@ -39,6 +39,45 @@ async def create_key(redis: aioredis.Redis, name: str, rpm: int = 0, tpm: int = 
     return api_key
 
 
+def key_id(key_hash: str) -> str:
+    """The short, non-secret name of a key: the start of its hash (`strata keys list` shows it)."""
+    return key_hash[:12]
+
+
+async def list_keys(redis: aioredis.Redis) -> list[dict]:
+    """Every stored key's id, tenant, limits and creation time (never the key: only its hash is stored)."""
+    out = []
+    async for name in redis.scan_iter(match=keys.api_key("*"), count=500):
+        key_hash = name.decode().rsplit(":", 1)[1]
+        f = {k.decode(): v.decode() for k, v in (await redis.hgetall(name)).items()}
+        if f:
+            out.append({"id": key_id(key_hash), "name": f.get("tenant", ""), "rpm": int(f.get("rpm", 0)),
+                        "tpm": int(f.get("tpm", 0)), "priority": f.get("priority", "standard"),
+                        "admin": f.get("admin", "0") == "1", "created": int(f.get("created", 0))})
+    return sorted(out, key=lambda k: (k["created"], k["id"]))
+
+
+class KeyNotFound(LookupError):
+    pass
+
+
+async def revoke_key(redis: aioredis.Redis, which: str) -> str:
+    """Delete a key named by its id (a hash prefix of at least 8 characters) or by the key itself;
+    returns its full hash. KeyNotFound when none or several match."""
+    if which.startswith(KEY_PREFIX):
+        candidates = [hash_key(which)]
+    elif len(which) >= 8 and all(c in "0123456789abcdef" for c in which):
+        candidates = [name.decode().rsplit(":", 1)[1]
+                      async for name in redis.scan_iter(match=keys.api_key(which + "*"), count=500)]
+    else:
+        raise KeyNotFound(f"{which!r} is neither a key id (8 or more hex characters) nor an API key")
+    if len(candidates) > 1:
+        raise KeyNotFound(f"key id {which} matches {len(candidates)} keys: give more of it")
+    if not candidates or not await redis.delete(keys.api_key(candidates[0])):
+        raise KeyNotFound(f"no API key {which}")
+    return candidates[0]
+
+
 class KeyStore:
     """Looks keys up in Redis with a short local cache, and enforces the per-minute limits."""
 
@@ -87,6 +126,10 @@ class KeyStore:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return record
+
+    def forget(self, key_hash: str) -> None:
+        """Drop a cached lookup (the key was revoked): the next request reads Redis."""
+        self._cache.pop(key_hash, None)
 
     async def charge(self, key: ApiKey, tokens: int) -> tuple[str, float] | None:
         """Count one request and `tokens` against this minute's window. Returns (what, seconds

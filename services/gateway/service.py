@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,14 +31,14 @@ from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
-from shared import protocol, registry
+from shared import http, protocol, registry
 from shared.bus import Bus
 from shared.deployments import Deployment, DeploymentWatcher
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest,
-                             SchedulerStats, TokenChunk)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest, KeyRevoked,
+                             LatencySample, RevisionOutcomes, SchedulerStats, TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -123,6 +124,7 @@ class GatewayService:
         self._runner: web.AppRunner | None = None
         self.url = ""
         self._report = GatewayStats(gateway_id=cfg.gateway_id)  # accumulates until published
+        self._samples_seen: dict[str, int] = {}  # model -> revision samples offered to this report
         self._report_started = time.monotonic()
         self.migration = Migrator(self)
 
@@ -146,6 +148,7 @@ class GatewayService:
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
         await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats, self._on_scheduler_stats)
+        await self.bus.subscribe(protocol.CONTROL_KEYS, KeyRevoked, self._on_key_revoked)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
         await self.migration.start()
         self._reporter = asyncio.create_task(self._report_loop())
@@ -154,7 +157,7 @@ class GatewayService:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://{self.cfg.host}:{port}"
+        self.url = http.advertised_url(self.cfg.host, port)
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
             self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})),
             asyncio.create_task(self._adapters_resync())]
@@ -252,6 +255,10 @@ class GatewayService:
     async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
         self._schedulers_seen[stats.scheduler_id] = time.monotonic()
 
+    async def _on_key_revoked(self, msg: KeyRevoked, _raw) -> None:
+        self.keys.forget(msg.key_hash)
+        log.info("api key revoked", key_id=msg.key_hash[:12])
+
     async def _watch_schedulers(self) -> None:
         """A request held by a scheduler that died (no stats for a while) and not yet started
         ends with an error instead of silence until its deadline."""
@@ -269,8 +276,21 @@ class GatewayService:
                         queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
                             code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
 
-    def _account(self, model: str, timings: dict[str, float] | None) -> None:
-        """Count a finished request (timings) or a failed one (None) in the next report."""
+    def _account(self, model: str, timings: dict[str, float] | None, revision: int | None = None,
+                 sample: LatencySample | None = None) -> None:
+        """Count a finished request (timings) or a failed one (None) in the next report; one of
+        a managed revision also by revision, with its latency sample (canary analysis)."""
+        if revision:
+            outcome = self._report.outcomes.setdefault(model, {}).setdefault(revision, RevisionOutcomes())
+            outcome.requests += 1
+            outcome.errors += timings is None
+        if sample is not None:  # reservoir sampling: an unbiased subsample when there are too many
+            kept = self._report.samples.setdefault(model, [])
+            seen = self._samples_seen[model] = self._samples_seen.get(model, 0) + 1
+            if len(kept) < protocol.MAX_LATENCY_SAMPLES:
+                kept.append(sample)
+            elif (slot := random.randrange(seen)) < protocol.MAX_LATENCY_SAMPLES:
+                kept[slot] = sample
         if timings is None:
             self._report.failed[model] = self._report.failed.get(model, 0) + 1
             return
@@ -283,6 +303,7 @@ class GatewayService:
         while True:
             await asyncio.sleep(interval)
             report, self._report = self._report, GatewayStats(gateway_id=self.cfg.gateway_id)
+            self._samples_seen.clear()
             now = time.monotonic()
             report.http_url, report.timestamp = self.url, time.time()
             report.interval_s, self._report_started = now - self._report_started, now
@@ -445,7 +466,7 @@ class GatewayService:
             self._held_by.pop(rid, None)
             if first.error is not None:
                 finished = first.replica_id is not None  # from the engine itself: nothing runs on
-                self._account(model.name, None)
+                self._account(model.name, None, first.revision)
                 raise oa.from_engine_error(first.error.code, first.error.message)
             self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
             times = (arrival, first_at)
@@ -521,7 +542,7 @@ class GatewayService:
         chunks = []
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:
-                self._account(model.name, None)
+                self._account(model.name, None, chunk.revision)
                 raise oa.from_engine_error(chunk.error.code, chunk.error.message)
             chunks.append(chunk)
         final = chunks[-1]
@@ -544,11 +565,18 @@ class GatewayService:
                   first_at: float) -> dict:
         """The strata extension of a finished request; its layer timings also go to the layer
         histogram, the next GatewayStats report, the request's span and its log line."""
-        extension = oa.strata_extension(final, time.time())
+        done = time.time()
+        extension = oa.strata_extension(final, done)
         timings = extension["timings"]
         for name in LAYER_NAMES:
             self.metrics.layers.labels(model.name, name, COMPONENT[name]).observe(timings[name])
-        self._account(model.name, timings)
+        sample = None
+        if final.revision:
+            tokens = final.usage.completion_tokens if final.usage else len(final.token_ids)
+            sample = LatencySample(revision=final.revision, finished_at=done,
+                                   ttft_s=first_at - gen.timestamps["gateway_received"],
+                                   itl_s=(done - first_at) / (tokens - 1) if tokens > 1 else 0.0, output_tokens=tokens)
+        self._account(model.name, timings, final.revision, sample)
         tracing.annotate_response(response_id, model.name, final, first_at - gen.timestamps["gateway_received"],
                                   timings)
         return extension
@@ -571,7 +599,7 @@ class GatewayService:
                         **usage_null})
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:  # after the first byte: in band, and the stream ends
-                self._account(model.name, None)
+                self._account(model.name, None, chunk.revision)
                 await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
                 await response.write_eof()
                 return response

@@ -46,6 +46,15 @@ READ_PAGE = """JSON.stringify({
     .map((d) => [d.dataset.revision, d.dataset.percent]),
   layerRequests: Number(document.getElementById("layers")?.dataset.requests || 0),
   runtimeSeconds: Number(document.querySelector('[data-layer="runtime"]')?.dataset.seconds || 0),
+  tabs: [...document.querySelectorAll(".tab")].map((t) => t.dataset.deployment),
+  cards: Object.fromEntries(["request-rate", "tokens-per-s", "ttft", "itl"].map((k) =>
+    [k, document.getElementById(`kpi-${k}`)?.dataset.value ?? null])),
+  chartNow: Object.fromEntries([...document.querySelectorAll("svg[data-chart]")]
+    .map((s) => [s.dataset.chart, s.dataset.now])),
+  analysis: document.getElementById("canary-analysis") ? {
+    status: document.getElementById("canary-analysis").dataset.status,
+    step: document.getElementById("canary-analysis").dataset.step,
+    verdict: document.getElementById("canary-verdict")?.innerText || ""} : null,
 })"""
 
 
@@ -200,6 +209,29 @@ async def test_dashboard_shows_live_figures(chromium, dashboard_stack, tmp_path)
                 assert page["hash"] == "" and not page["prompt"] and not page["error"], page
                 assert page["split"] == [["1", "100"]], page
                 assert page["runtimeSeconds"] > 0, page
+                # The cards show what their charts end on (one poll: the same overview).
+                for card, chart in (("request-rate", "request_rate"), ("tokens-per-s", "tokens_per_s"),
+                                    ("ttft", "ttft_p90_s"), ("itl", "itl_p50_s")):
+                    assert page["cards"][card] not in ("", None) and \
+                        float(page["cards"][card]) == float(page["chartNow"][chart]), (card, page)
+
+                # A deployment that is deleted leaves the dashboard (scaled to zero: it costs no engine).
+                dashboard_stack.deploy({"name": "short-lived", "model": dashboard_stack.model_dir,
+                                        "replicas": {"min": 0, "max": 1}})
+                await cdp.wait_for("the new deployment's tab", lambda p: "short-lived" in p["tabs"], 20)
+                dashboard_stack.client.delete("short-lived")
+                page = await cdp.wait_for("the deleted deployment gone", lambda p: p["tabs"] == ["tiny"], 20)
+
+                # A canary with an analysis: the panel shows its step and what it waits for.
+                dashboard_stack.deploy({"name": "tiny", "model": dashboard_stack.model_dir,
+                                        "replicas": {"min": 1, "max": 1},
+                                        "canary": {"analysis": {"steps": [10, 50], "min_requests": 1000,
+                                                                "interval_s": 1}}})
+                page = await cdp.wait_for("the canary analysis", lambda p: p["analysis"] is not None and
+                                          p["analysis"]["verdict"].startswith("wait at 10%"), 30)
+                assert page["analysis"]["status"] == "running" and page["analysis"]["step"] == "10", page
+                assert ["2", "10"] in page["split"], page
+                await asyncio.sleep(2.5)  # one more poll before the screenshot
                 assert not cdp.exceptions, cdp.exceptions
 
                 shot = await cdp.call("Page.captureScreenshot", format="png")

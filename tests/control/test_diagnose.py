@@ -118,3 +118,56 @@ def test_the_report_is_json():
     data = json.loads(json.dumps(report.to_dict()))
     assert data["verdict"]["layer"] == "runtime" and set(data["state"]) == {"runtime", "infrastructure", "tooling"}
     assert abs(sum(data["split"]["chat"].values()) - 1) < 1e-9
+
+
+def test_a_cold_start_is_not_called_saturation():
+    """Requests waited in the admission queue because the only replica was starting (scaled from
+    zero): it started 20 s into the 60 s window, and its engine counts 500 of the 550 s the
+    requests waited as spent before it was ready."""
+    young = engine("e0", requests=20, concurrency=0.8, running=1)
+    young.window_s, young.cold_start_wait_s = 40.0, 500.0
+    d = deployment([young], ttft=6.0, admission=5.5, settings={"min_replicas": "0", "max_replicas": "2"})
+    d.window_s = WINDOW
+    verdict = diagnose(figures(d)).verdict
+    assert (verdict.layer, verdict.area) == ("infrastructure", "cold start")
+    assert "saturat" not in verdict.summary.replace("not saturation", "")
+    assert verdict.summary == ("92% of TTFT is admission wait while replicas started: a cold start, not saturation "
+                               "(no replica was up when the window began)")
+    evidence = "\n".join(verdict.evidence)
+    assert "91% of it before a replica was ready" in evidence and "e0 20 s into the window" in evidence
+    assert "replicas.min 0" in verdict.fix
+    # A replica that started in the window too, but the requests came once it was ready and
+    # queued because it was full: saturation.
+    young.cold_start_wait_s = 0.0
+    verdict = diagnose(figures(d)).verdict
+    assert verdict.area == "admission" and "was saturated" in verdict.summary
+    # The cold start's wait with a replica that was up all along and full is saturation too.
+    young.cold_start_wait_s = 500.0
+    full = engine("e1", concurrency=64, running=64)
+    full.window_s = WINDOW
+    d.replicas = [young, full]
+    verdict = diagnose(figures(d)).verdict
+    assert verdict.area == "admission" and "were saturated" in verdict.summary
+
+
+def test_an_automatic_rollback_is_a_tooling_event():
+    d = deployment([engine("e0", revision="1")])
+    d.now = 1000.0
+    d.events = [{"at": 960.0, "action": "rollback", "actor": "canary-analysis", "stable": 1, "canary": 0,
+                 "analysis": {"decision": "fail", "step": 25, "canary_revision": 2, "stable_revision": 1,
+                              "canary_requests": 52, "stable_requests": 160, "window_s": 14.2,
+                              "reason": "TTFT p90 410 ms vs stable 90 ms (4.56x, limit 1.5x; rank test p=1e-12, "
+                                        "alpha 0.0056)",
+                              "checks": [{"name": "ttft_p90", "failed": True, "detail": "TTFT p90 410 ms ..."},
+                                         {"name": "error_rate", "failed": False, "detail": "error rate 0.0% ..."}]}}]
+    report = diagnose(figures(d))
+    verdict = report.verdict
+    assert (verdict.layer, verdict.area) == ("tooling", "canary rollback")
+    assert verdict.summary == ("the canary analysis rolled revision 2 back 40 s ago at 25% of traffic: it was worse "
+                               "than revision 1")
+    assert verdict.evidence[0].startswith("TTFT p90 410 ms vs stable 90 ms")
+    assert "traffic is back on revision 1" in verdict.evidence[-1]
+    assert "strata history chat" in verdict.fix
+    # A rollback by hand is the operator's own doing: no finding.
+    d.events[0]["actor"] = "local-dev"
+    assert diagnose(figures(d)).verdict is None

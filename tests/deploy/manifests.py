@@ -139,9 +139,11 @@ def _is_service_command(argv: list[str]) -> bool:
     return len(argv) >= 3 and argv[:2] == ["python", "-m"] and argv[2].startswith("services.")
 
 
-def compose_commands() -> list[ServiceCommand]:
+def compose_commands(config: dict | None = None) -> list[ServiceCommand]:
+    """The Strata containers of compose.yaml, or of a configuration as `docker compose config`
+    merges it from several files."""
     out = []
-    for name, service in load_compose()["services"].items():
+    for name, service in (load_compose() if config is None else config)["services"].items():
         argv = service.get("command")
         if isinstance(argv, list) and _is_service_command(argv):
             out.append(ServiceCommand(f"compose:{name}", argv, dict(service.get("environment") or {})))

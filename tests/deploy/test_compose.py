@@ -141,14 +141,27 @@ def test_prometheus_scrapes_every_strata_service(compose):
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in \
         compose["services"]["prometheus"]["volumes"]
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
-    static, dns = set(), set()
+    static, dns, discovered = set(), set(), {}
     for job in config["scrape_configs"]:
         for group in job.get("static_configs", []):
             static.update(group["targets"])
         for sd in job.get("dns_sd_configs", []):
             dns.update(f"{name}:{sd['port']}" for name in sd["names"])
+        for sd in job.get("http_sd_configs", []):
+            discovered[job["job_name"]] = urlparse(sd["url"])
+    # Engines, wherever they run (these services' replicas, and those the scaler starts on ports
+    # of its own choosing), come from control's service discovery (tests/control/test_metrics.py
+    # reads it live): it must point at control's port and path.
+    control = next(c for c in compose_commands() if c.module == "control")
+    sd = discovered["engine"]
+    assert (sd.hostname, sd.port, sd.path) == ("control", control.parse().port, "/prometheus/targets"), sd
+    scaler = next(c for c in compose_commands() if c.module == "scaler").parse()
+    assert "--http-host=0.0.0.0" in scaler.engine_arg, "engines the scaler starts must be reachable"
     for command in compose_commands():
         name = command.where.removeprefix("compose:")
+        if command.module == "engine":
+            assert command.parse().http_host == "0.0.0.0", f"{name}: reachable at the host name it advertises"
+            continue
         target = f"{name}:{getattr(command.parse(), HTTP_PORT_FLAG[command.module])}"
         replicated = compose["services"][name].get("deploy", {}).get("replicas", 1) > 1
         # A service of several replicas, or one only in a profile, is found through DNS.
@@ -157,6 +170,22 @@ def test_prometheus_scrapes_every_strata_service(compose):
     for target in static | dns:
         host = target.rsplit(":", 1)[0]
         assert host == "localhost" or host in compose["services"], f"scrape target {target} is no service"
+    assert config["rule_files"] == ["alerts.yml"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose["services"]["prometheus"]["volumes"]
+
+
+def test_grafana_is_provisioned_in_its_own_profile(compose):
+    """Grafana runs only with `--profile grafana` (never with cpu/gpu alone) and gets the three
+    dashboards and Prometheus as its data source from deploy/grafana."""
+    grafana = compose["services"]["grafana"]
+    assert grafana["profiles"] == ["grafana"]
+    mounts = {v.split(":")[1]: ROOT / v.split(":")[0] for v in grafana["volumes"]}
+    provisioning, dashboards = mounts["/etc/grafana/provisioning"], mounts["/var/lib/grafana/dashboards/strata"]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"][0]
+    assert urlparse(datasource["url"]).hostname == "prometheus" and datasource["type"] == "prometheus"
+    provider = yaml.safe_load((provisioning / "dashboards" / "strata.yaml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards/strata"
+    assert sorted(p.name for p in dashboards.glob("*.json")) == ["infrastructure.json", "runtime.json", "tooling.json"]
 
 
 def test_images_bake_the_model_the_services_serve(compose):

@@ -88,3 +88,27 @@ def test_torch_gather_path_matches_reference(kv_heads, group, head_dim):
     attn._prefill(qp, knew, vnew, kc, vc, prefill_meta, out)
     torch.testing.assert_close(out, paged_prefill_attention_ref(qp, kc, vc, tables, starts, lens, scale),
                                atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_path_long_contexts(dtype):
+    """Chunked prefill deep into a 4k context (a cached prefix of ~4000 tokens), GQA 8, head_dim 128,
+    beside a fresh prompt with no prefix."""
+    lengths, chunks = [4096, 300], [96, 300]
+    q, kc, vc, tables, lens = paged_case(5, lengths, 1, 8, 128)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    scale = 128 ** -0.5
+    attn = TorchAttention(8, 1, 128, scale)
+    g = torch.Generator().manual_seed(6)
+    qp = torch.randn(sum(chunks), 8, 128, generator=g).to(dtype)
+    starts = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
+    knew = torch.cat([kc[tables[b].long()].reshape(-1, 1, 128)[n - c:n] for b, (n, c) in enumerate(zip(lengths, chunks))])
+    vnew = torch.cat([vc[tables[b].long()].reshape(-1, 1, 128)[n - c:n] for b, (n, c) in enumerate(zip(lengths, chunks))])
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), 0, empty.view(0, 0), empty, sum(chunks),
+                             tables, starts, lens, chunks, lengths)
+    out = torch.empty_like(qp)
+    attn._prefill(qp, knew, vnew, kc, vc, meta, out)
+    ref = paged_prefill_attention_ref(qp, kc, vc, tables, starts, lens, scale)
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=1e-2)

@@ -1,6 +1,6 @@
 """The CPU layer-op kernels (kernels/cpu/layer_ops.c) against the plain torch path they replace:
 RMSNorm with and without the fused residual add, rotary embedding over strided views of a fused
-qkv projection; fp32 to rounding noise, bf16 within one rounding of the result."""
+qkv projection, SwiGLU; fp32 to rounding noise, bf16 within one rounding of the result."""
 
 import pytest
 import torch
@@ -69,3 +69,10 @@ def test_rotary_in_place_on_views_of_qkv(dtype, head_dim):
     close(k, ref_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (3 * torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(1))).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    close(cpu_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)

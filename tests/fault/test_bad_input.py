@@ -182,6 +182,7 @@ def targets(stack) -> list[tuple[str, str, type]]:
         "SCHEDULER_STATS_ALL": (protocol.scheduler_stats("scheduler-0"), protocol.SchedulerStats),
         "scheduler_stats": (protocol.scheduler_stats("fuzzed-scheduler"), protocol.SchedulerStats),
         "CONTROL_DEPLOYMENTS": (protocol.CONTROL_DEPLOYMENTS, protocol.DeploymentChanged),
+        "CONTROL_KEYS": (protocol.CONTROL_KEYS, protocol.KeyRevoked),
         "SCALER_STATUS": (protocol.SCALER_STATUS, protocol.ScalerDecision),
         "GATEWAY_STATS_ALL": (protocol.gateway_stats("gateway-0"), protocol.GatewayStats),
         "gateway_stats": (protocol.gateway_stats("fuzzed-gateway"), protocol.GatewayStats),

@@ -21,7 +21,9 @@ MODEL = "tiny-llama"
 # that holds no data (it asks for an admin key, kept in the browser, and reads the API with it).
 PUBLIC = {("gateway", "GET", "/health"), ("gateway", "GET", "/metrics"),
           ("control", "GET", "/health"), ("control", "GET", "/metrics"),
-          ("control", "GET", "/"), ("control", "GET", "/dashboard")}
+          ("control", "GET", "/"), ("control", "GET", "/dashboard"),
+          # Prometheus service discovery: scrape addresses, as public as the /metrics they point at.
+          ("control", "GET", "/prometheus/targets")}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ async def test_every_route_but_health_and_metrics_needs_a_key(stack, redis):
     checked = 0
     async with aiohttp.ClientSession() as http:
         for app, method, path in routes():
-            url = base[app] + path.replace("{name}", "tiny-llama")
+            url = base[app] + path.replace("{name}", "tiny-llama").replace("{id}", "0123456789ab")
             public = (app, method, path) in PUBLIC
             for key in (None, "sk-strata-not-a-key"):
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -73,7 +75,7 @@ async def test_every_route_but_health_and_metrics_needs_a_key(stack, redis):
                 async with http.request(method, url, headers={"Authorization": f"Bearer {tenant_key}"},
                                         json={}) as resp:
                     assert resp.status == 403, (method, path, resp.status)
-    assert checked >= 2 * 14, "fewer protected routes than expected: was one made public?"
+    assert checked >= 2 * 17, "fewer protected routes than expected: was one made public?"
 
 
 async def test_keys_are_stored_hashed_and_never_logged(stack, redis):
@@ -163,4 +165,5 @@ def test_no_route_reads_a_request_by_id():
     """A stream is readable only on the connection that made it: no route takes a request (or
     response) id, so another tenant has nothing to ask for."""
     for app, method, path in routes():
-        assert "{" not in path or app == "control" and path.startswith("/api/v1/deployments/{name}"), path
+        assert "{" not in path or app == "control" and (path.startswith("/api/v1/deployments/{name}")
+                                                        or path == "/api/v1/keys/{id}"), path  # an API key's id

@@ -28,7 +28,10 @@ async def test_lease_disappears_within_its_ttl_after_kill_9(infra, tiny_model_di
 async def test_sigterm_finishes_in_flight_streams_then_exits_0(infra, tiny_model_dir, tmp_path):
     redis = connect_redis(infra.redis_url)
     bus = await Bus.connect(infra.nats_url, "test-drain")
-    worker = start_worker(infra, tiny_model_dir, tmp_path, "w-drain", "--num-kv-blocks", "256")
+    # 120 steps of >=20 ms: the streams are still running when the late request arrives,
+    # however fast the runtime is.
+    worker = start_worker(infra, tiny_model_dir, tmp_path, "w-drain", "--num-kv-blocks", "256",
+                          "--debug-step-delay", "0.02")
     try:
         await wait_registered(redis, worker)
         subject = protocol.engine_generate("w-drain")
