@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import percentile, write_results  # noqa: E402
-from services.engine.lora.adapter import MODULE_SLICES, _module_shape  # noqa: E402
+from services.engine.lora.adapter import MODULE_SLICES, module_shape  # noqa: E402
 from services.engine.model_config import ModelConfig  # noqa: E402
 
 ALL_MODULES = list(MODULE_SLICES)
@@ -48,7 +48,7 @@ def write_adapter(model_dir: Path, out: Path, rank: int, seed: int, modules=ALL_
     tensors = {}
     for layer in range(config.num_layers):
         for module in modules:
-            fan_in, fan_out = _module_shape(config, module)
+            fan_in, fan_out = module_shape(config, module)
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5).to(torch.bfloat16)

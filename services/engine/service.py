@@ -3,8 +3,8 @@
 Wires NATS subscriptions to handlers: generate requests stream TokenChunks straight to the
 caller's reply subject; cancels abort; KV events and heartbeats go out; the Redis registry entry
 is kept alive by the heartbeat loop. With enable_lora, the adapters registered for its
-deployment (shared.adapters) are served: registered and unregistered as announced. SIGTERM drains: no new work, in-flight streams finish (up
-to a timeout), the entry is removed, exit 0.
+deployment (shared.adapters) are served: registered and unregistered as announced. SIGTERM
+drains: no new work, in-flight streams finish (up to a timeout), the entry is removed, exit 0.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def linear_slices(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
             "down": (c.intermediate_size, [c.hidden_size])}
 
 
-def _module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) of one PEFT-targetable projection of the base model."""
     linear, i = MODULE_SLICES[module]
     fan_in, outs = linear_slices(config)[linear]
@@ -131,7 +131,7 @@ def inspect_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -
         if layer >= config.num_layers:
             raise LoRAAdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
                                    f"{config.num_layers} layers")
-        fan_in, fan_out = _module_shape(config, module)
+        fan_in, fan_out = module_shape(config, module)
         want = [rank, fan_in] if which == "A" else [fan_out, rank]
         shape = list(handle.get_slice(key).get_shape())
         if shape != want:

@@ -5,13 +5,13 @@ Which adapter each token uses is the step's `LoRABatch`, set once per step by th
 and read by every LoRALinear. On CPU the tokens come in runs of consecutive tokens of one adapter
 (SGMV-style: the runner puts decodes of one adapter next to each other; a prefill chunk is one
 run). Long runs get two torch matmuls per adapter (the runs of one adapter gathered into one
-operand, so a prefill of many requests costs a matmul pair per adapter, not per request). Short
-runs (decodes), when there are more
-than two, go together in five calls whatever the mix: their tokens gathered into one padded
-group per slot ([slots, longest group, in]), a batched shrink and expand against every slot's
-A and B (torch.bmm), and the deltas added back to their tokens. A small matmul per adapter
-costs a CPU more in overhead than the padding does in flops. On CUDA it is the gathered
-BGMV Triton kernels of kernels.lora, two launches per layer whatever the mix.
+operand, so a prefill of many requests costs one matmul pair per adapter, not per request).
+Short runs (decodes), when there are more than two, go together in five calls whatever the mix:
+their tokens gathered into one padded group per slot ([slots, longest group, in]), a batched
+shrink and expand against every slot's A and B (torch.bmm), and the deltas added back to their
+tokens. A small matmul per adapter costs a CPU more in overhead than the padding does in flops.
+On CUDA it is the gathered BGMV Triton kernels of kernels.lora, two launches per layer whatever
+the mix.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from services.engine.linear import Linear
 
 
-# CPU: runs of at least LONG_RUN tokens get their own matmuls; more than MAX_SHORT_RUNS shorter
-# ones go through the all-slots path together.
+# CPU: runs of at least LONG_RUN tokens get matmuls of their adapter's own; more than
+# MAX_SHORT_RUNS shorter ones go through the grouped (padded, batched) path together.
 LONG_RUN = 16
 MAX_SHORT_RUNS = 2
 
