@@ -239,7 +239,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--requests", type=int, default=192)
+    p.add_argument("--requests", type=int, default=720, help="fleet requests")
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--zipf", type=float, default=1.2, help="demand over the 24 adapters ~ 1/rank^zipf")
     p.add_argument("--fleet-prompt-tokens", type=int, default=64)
