@@ -140,6 +140,9 @@ class DeploymentSpec:
     scaling: Scaling = field(default_factory=Scaling)
     placement: Placement = field(default_factory=Placement)
     limits: Limits = field(default_factory=Limits)
+    # LoRA adapters [{name, path}]: live state, applied to running replicas (shared.adapters);
+    # a change of adapters alone makes no new revision.
+    adapters: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def routing_policy(self) -> str:
@@ -163,7 +166,12 @@ class DeploymentSpec:
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
                    canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
                    placement=Placement(**data.get("placement", {})),
-                   limits=Limits(**data.get("limits", {})))
+                   limits=Limits(**data.get("limits", {})),
+                   adapters=[dict(a) for a in data.get("adapters", [])])
+
+    def without_adapters(self) -> dict[str, Any]:
+        """The spec as a revision knows it: everything but the live adapters."""
+        return {k: v for k, v in self.to_dict().items() if k != "adapters"}
 
 
 @dataclass

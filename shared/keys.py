@@ -75,6 +75,11 @@ def deployment_analysis(name: str) -> str:
     return f"{PREFIX}:deployment:{name}:analysis"
 
 
+def lora_adapters(model: str) -> str:
+    """Hash: LoRA adapters served on a model (deployment): name -> JSON {path, source} (shared.adapters)."""
+    return f"{PREFIX}:lora:{model}"
+
+
 DEPLOYMENTS = f"{PREFIX}:deployments"  # Set: names of deployments stored by control
 
 

@@ -7,7 +7,8 @@ shared.bus.NatsAuth), so:
 - only engines publish heartbeats and KV events (a forged heartbeat cannot attract traffic);
 - only gateways, schedulers and bus clients publish generate requests and cancels; only
   schedulers send work to engines;
-- only control publishes deployment, pool and key changes;
+- only control publishes deployment, pool and key changes; only control and gateways (the
+  admin API) announce LoRA adapter changes;
 - nobody but schedulers reads generate requests, nobody but engines the work sent to them, and
   a role's replies and streams only that role: a prompt or a stream cannot be read by another
   process, and the request ids a cancel needs (random, 128 bits) are never seen by other tenants.
@@ -49,23 +50,24 @@ class Role:
 ROLES: dict[str, Role] = {r.name: r for r in (
     Role("engine",
          publish=(protocol.HEARTBEAT_ALL, protocol.KV_EVENTS_ALL, _REPLIES, _logs("engine"), *_LOG_STREAM_API),
-         subscribe=(_ENGINE_GENERATE, _ENGINE_KV_SNAPSHOT, protocol.CANCEL)),
+         subscribe=(_ENGINE_GENERATE, _ENGINE_KV_SNAPSHOT, protocol.CANCEL, protocol.LORA_ADAPTERS_ALL)),
     Role("scheduler",
          publish=(_ENGINE_GENERATE, _ENGINE_KV_SNAPSHOT, protocol.CANCEL, protocol.SCHEDULER_STATS_ALL, _REPLIES,
                   _logs("scheduler"), *_LOG_STREAM_API),
          subscribe=(protocol.GENERATE, protocol.HEARTBEAT_ALL, protocol.KV_EVENTS_ALL, protocol.CANCEL,
                     protocol.CONTROL_DEPLOYMENTS)),
     Role("gateway",
-         publish=(protocol.GENERATE, protocol.CANCEL, protocol.GATEWAY_STATS_ALL, _logs("gateway"), *_LOG_STREAM_API),
+         publish=(protocol.GENERATE, protocol.CANCEL, protocol.GATEWAY_STATS_ALL, protocol.LORA_ADAPTERS_ALL,
+                  _logs("gateway"), *_LOG_STREAM_API),
          subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.CONTROL_DEPLOYMENTS,
-                    protocol.CONTROL_KEYS)),
+                    protocol.CONTROL_KEYS, protocol.LORA_ADAPTERS_ALL)),
     Role("scaler",
          publish=(protocol.SCALER_STATUS, protocol.SCALER_POOLS, _logs("scaler"), *_LOG_STREAM_API),
          subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.CONTROL_DEPLOYMENTS,
                     protocol.CONTROL_POOLS)),
     Role("control",
-         publish=(protocol.CONTROL_DEPLOYMENTS, protocol.CONTROL_KEYS, protocol.CONTROL_POOLS, _logs("control"),
-                  *_LOG_STREAM_API),
+         publish=(protocol.CONTROL_DEPLOYMENTS, protocol.CONTROL_KEYS, protocol.CONTROL_POOLS,
+                  protocol.LORA_ADAPTERS_ALL, _logs("control"), *_LOG_STREAM_API),
          subscribe=(protocol.HEARTBEAT_ALL, protocol.SCHEDULER_STATS_ALL, protocol.SCALER_STATUS,
                     protocol.SCALER_POOLS, protocol.GATEWAY_STATS_ALL, protocol.CONTROL_DEPLOYMENTS,
                     protocol.CONTROL_KEYS)),

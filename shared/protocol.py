@@ -42,6 +42,7 @@ SCALER_STATUS = f"{PREFIX}.scaler.status"  # scaler -> control/dashboard: its de
 CONTROL_POOLS = f"{PREFIX}.control.pools"  # control -> scaler: a capacity pool changed
 SCALER_POOLS = f"{PREFIX}.scaler.pools"  # scaler -> control/dashboard: every pool's use, each tick
 GATEWAY_STATS_ALL = f"{PREFIX}.gateway.*.stats"
+LORA_ADAPTERS_ALL = f"{PREFIX}.lora.*"  # a model's registered LoRA adapters changed (LoraAdaptersChanged)
 
 
 def _token(name: str) -> str:
@@ -103,6 +104,11 @@ def accepted(reply_to: str) -> str:
     """engine -> caller, beside the stream: a GenerateAck once an engine has taken the request
     (so a caller knows no scheduler holds it any more)."""
     return f"{reply_to}.accepted"
+
+
+def lora_adapters(model: str) -> str:
+    """gateway/control -> engines, gateways, schedulers: re-read the model's adapter registry."""
+    return f"{PREFIX}.lora.{_token(model)}"
 
 
 def gateway_stats(gateway_id: str) -> str:
@@ -363,6 +369,7 @@ class GenerateRequest(Message):
     # Set by whoever forwards it to an engine and waits for its GenerateAck: an engine that gets
     # it after this (unix seconds) refuses it, as its sender has given up and tries another.
     accept_by: float | None = None
+    lora: str | None = None  # the LoRA adapter of `model` to run with (None: the base model)
 
     def validate(self) -> None:
         if not self.request_id:
@@ -524,6 +531,14 @@ class Heartbeat(Message):
     # (they never wait on a step), so a replica whose steps stop while it holds work is stalled
     # even while it still beats; one whose steps advance slowly is only busy.
     steps_total: int = 0
+    # LoRA (all empty / 0 when the engine serves no adapters): adapters in device slots, in the
+    # host cache, and of running / waiting requests (vLLM's lora_requests_info); slots and rank.
+    lora_resident: list[str] = field(default_factory=list)
+    lora_cached: list[str] = field(default_factory=list)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")
@@ -598,6 +613,16 @@ class DeploymentChanged(Message):
     stable: int = 0
     canary: int = 0  # 0: none
     canary_weight: int = 0  # percent of traffic to the canary revision
+
+
+@dataclass
+class LoraAdaptersChanged(Message):
+    """A model's LoRA adapter registry (shared.adapters) changed: readers re-read it (and resync
+    periodically, so a lost announcement heals)."""
+
+    model: str
+    action: str  # load | unload | spec
+    name: str | None = None  # the adapter (load, unload)
 
 
 @dataclass

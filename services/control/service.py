@@ -29,7 +29,7 @@ from services.control.pools_api import PoolsApi, unknown_pools
 from services.control.store import DeploymentError, DeploymentStore
 from services.gateway.auth import ApiKey, KeyNotFound, KeyStore, create_key, hash_key, key_id, list_keys, revoke_key
 from services.gateway.openai_api import ApiError, error_response
-from shared import deployments, http, protocol, registry
+from shared import adapters, deployments, http, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.pools import PoolSpecError
@@ -263,12 +263,20 @@ class ControlService:
             errors = unknown_pools(spec.placement, set(await self.pools.store.list()))
             if errors:
                 raise specs.SpecError(errors)
-        state = await self.store.apply(spec, actor=key.tenant)
-        await self._announce(spec.name, "apply", state)
-        await self.analysis.refresh(spec.name)  # a canary with an analysis: it starts now
+        live = await self.store.adapters_only(spec)  # adapters alone: applied live, no new revision
+        state = await (self.store.record_adapters(spec.name, actor=key.tenant) if live
+                       else self.store.apply(spec, actor=key.tenant))
+        changed, removed = await adapters.replace_declared(self.redis, spec.name, spec.adapters)
+        if changed or removed:
+            await adapters.announce(self.bus, spec.name, "spec")
+            log.info("lora adapters applied", deployment=spec.name, loaded=changed, unloaded=removed)
+        await self._announce(spec.name, "adapters" if live else "apply", state)
+        if not live:
+            await self.analysis.refresh(spec.name)  # a canary with an analysis: it starts now
         return web.json_response({"deployment": asdict(state), "revision": state.latest, "serving": state.serving(),
-                                  "analysis": spec.canary.get("analysis") if state.canary == state.latest else None},
-                                 status=201)
+                                  "analysis": spec.canary.get("analysis") if state.canary == state.latest else None,
+                                  "live": live, "adapters": {"loaded": changed, "unloaded": removed}},
+                                 status=200 if live else 201)
 
     async def list_deployments(self, request: web.Request) -> web.Response:
         await self._admin(request)

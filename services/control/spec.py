@@ -17,8 +17,10 @@ at once, so a bad file is fixed in one go:
     scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
     placement: {pools: [spot-east, gcp-west], prefer: cheapest, min_pools: 2}   # capacity pools
     limits: {default_max_tokens: 1024}  # chat requests that give no max_tokens
+    adapters: [{name: sql, path: /adapters/sql}]  # LoRA adapters (needs engine.enable_lora), applied live
 
-Pure: no I/O except reading the model's config.json to check its architecture.
+Pure: no I/O except reading the model's config.json to check its architecture (and each
+adapter's config and safetensors header against it).
 """
 
 from __future__ import annotations
@@ -198,12 +200,14 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     canary = _canary(data.get("canary", {"weight": 0}), errors)
 
     placement = parse_placement(data.get("placement"), errors)
+    adapter_list = _adapters(data.get("adapters", []), model if check_model and isinstance(model, str) else None,
+                             engine, errors)
 
     if errors:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement,
-                          limits=limits)
+                          limits=limits, adapters=adapter_list)
 
 
 def _check_precision(engine: dict, errors: list) -> None:
@@ -214,3 +218,46 @@ def _check_precision(engine: dict, errors: list) -> None:
         for key, reason in quantization_support.check(values["quantization"], values["kv_cache_dtype"],
                                                       values["device"]):
             errors.append((f"engine.{key}", reason))
+
+
+def _adapters(raw: Any, model: str | None, engine: dict, errors: list) -> list[dict[str, str]]:
+    """`adapters`: [{name, path}], each checked against the model (when `model` is given) and
+    the engine's max_lora_rank; they need engine.enable_lora."""
+    from services.engine.lora import LoRAAdapterError, inspect_adapter
+    from shared.adapters import check_name
+
+    if not isinstance(raw, list):
+        errors.append(("adapters", "must be a list of {name, path}"))
+        return []
+    if raw and engine.get("enable_lora") is not True:
+        errors.append(("adapters", "LoRA adapters need engine.enable_lora: true"))
+    config = None
+    if model is not None and Path(model).is_dir():
+        try:
+            config = ModelConfig.load(model)
+        except (ValueError, KeyError, OSError):
+            pass  # reported for `model` already
+    rank = engine.get("max_lora_rank", EngineArgs.max_lora_rank)
+    out, seen = [], set()
+    for i, entry in enumerate(raw):
+        where = f"adapters[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"name", "path"}:
+            errors.append((where, "must be a mapping with exactly name and path"))
+            continue
+        name, path = entry["name"], entry["path"]
+        why = check_name(name)
+        if why is not None:
+            errors.append((f"{where}.name", why))
+        elif name in seen:
+            errors.append((f"{where}.name", f"{name!r} is declared twice"))
+        seen.add(name)
+        if not isinstance(path, str) or not path:
+            errors.append((f"{where}.path", "must be the adapter's directory"))
+            continue
+        if config is not None and isinstance(rank, int):
+            try:
+                inspect_adapter(path, config, rank)
+            except LoRAAdapterError as exc:
+                errors.append((f"{where}.path", str(exc)))
+        out.append({"name": name, "path": path})
+    return out

@@ -88,6 +88,23 @@ class DeploymentStore:
 
         return await self._change(spec.name, "apply", change, actor)
 
+    async def adapters_only(self, spec: DeploymentSpec) -> bool:
+        """Whether `spec` differs from the serving stable revision in its adapters alone (and
+        starts no canary): then it is applied live, without a new revision."""
+        state = await read_state(self.redis, spec.name)
+        if state is None or not state.stable or state.canary or spec.canary_weight:
+            return False
+        stable = await read_spec(self.redis, spec.name, state.stable)
+        return stable is not None and stable.without_adapters() == spec.without_adapters()
+
+    async def record_adapters(self, name: str, actor: str = "") -> DeploymentState:
+        """A change of the live adapters: the generation moves (readers re-read) and history
+        records it; the revisions stay as they are."""
+        async def change(current: DeploymentState | None):
+            return self._existing(name, current), None
+
+        return await self._change(name, "adapters", change, actor)
+
     async def set_canary(self, name: str, weight: int, revision: int | None = None,
                          actor: str = "") -> DeploymentState:
         if not 0 <= weight <= 100:
@@ -180,7 +197,8 @@ class DeploymentStore:
         if state is None:
             raise DeploymentError(404, f"deployment {name} does not exist", "not_found")
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.deployment(name), keys.deployment_history(name), keys.deployment_analysis(name))
+            pipe.delete(keys.deployment(name), keys.deployment_history(name), keys.deployment_analysis(name),
+                        keys.lora_adapters(name))
             for rev in range(1, state.latest + 1):
                 pipe.delete(keys.deployment_revision(name, rev))
             pipe.srem(keys.DEPLOYMENTS, name)

@@ -8,8 +8,9 @@
 from services.engine.config import EngineArgs
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
+from services.engine.lora import LoRARequest
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "LoRARequest", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "InvalidRequestError"]

@@ -137,18 +137,22 @@ class AsyncLLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, sink: RequestSink | None = None,
-                    resumed: tuple[int, int] = (0, 0)) -> RequestSink:
+                    resumed: tuple[int, int] = (0, 0), lora_name: str | None = None) -> RequestSink:
         """Queue a request; its outputs go to `sink`, by default a new RequestStream (an async
         iterator). A service streaming many requests passes its own sink and saves waking one
-        task per request per step. `resumed`: see LLMEngine.add_processed."""
+        task per request per step. `resumed`, `lora_name`: see LLMEngine.add_processed (the
+        adapter is pinned here, on the caller's thread)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.engine.inputs.process(prompt, params)
+        if lora_name is not None:
+            self.engine.acquire_lora(lora_name)
         stream = sink if sink is not None else RequestStream(request_id)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic(), resumed))
+        self._commands.put(("add", request_id, text, ids, params, arrival_time or time.monotonic(), resumed,
+                            lora_name))
         self._wake.set()
         return stream
 
@@ -212,8 +216,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, text, ids, params, arrival, resumed = command
-                self.engine.add_processed(rid, text, ids, params, arrival, resumed)
+                _, rid, text, ids, params, arrival, resumed, lora_name = command
+                self.engine.add_processed(rid, text, ids, params, arrival, resumed, lora_name)
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
             else:  # snapshot

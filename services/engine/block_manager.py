@@ -25,6 +25,7 @@ class Block:
     block_hash: int = NO_HASH
     parent_hash: int = NO_HASH
     token_ids: tuple[int, ...] = ()
+    root_hash: int = ROOT_HASH  # the chain it belongs to (a LoRA adapter's, or the base model's)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) <= i:
             j = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else seq.hash_root
             hashes.append(hash_block(parent, seq.token_ids[j * self.block_size:(j + 1) * self.block_size]))
         return hashes[i]
 
@@ -136,11 +137,11 @@ class BlockManager:
                 continue  # a prefix-cache hit: already registered
             h = self.block_hash_at(seq, i)
             if h not in self.cached:  # a twin computed by another seq keeps the slot
-                parent = seq.block_hashes[i - 1] if i else ROOT_HASH
-                block.block_hash, block.parent_hash = h, parent
+                parent = seq.block_hashes[i - 1] if i else seq.hash_root
+                block.block_hash, block.parent_hash, block.root_hash = h, parent, seq.hash_root
                 block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self.cached[h] = block.block_id
-                self.events.stored.append((h, None if parent == ROOT_HASH else parent))
+                self.events.stored.append((h, None if i == 0 else parent))
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
@@ -159,6 +160,13 @@ class BlockManager:
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
         del seq.block_table[keep:]
+    def drop_chain(self, root_hash: int) -> None:
+        """Evict the cached free blocks of one chain now (an unloaded LoRA adapter's)."""
+        for block_id in list(self.free_blocks):
+            block = self.blocks[block_id]
+            if block.block_hash != NO_HASH and block.root_hash == root_hash:
+                self._uncache(block)
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def drain_events(self) -> KvEvents:
         events, self.events = self.events, KvEvents()
@@ -192,4 +200,4 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         del self.cached[block.block_hash]
         self.events.removed.append(block.block_hash)
-        block.block_hash, block.parent_hash, block.token_ids = NO_HASH, NO_HASH, ()
+        block.block_hash, block.parent_hash, block.token_ids, block.root_hash = NO_HASH, NO_HASH, (), ROOT_HASH

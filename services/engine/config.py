@@ -56,6 +56,10 @@ class EngineArgs:
     seed: int = arg(0, "seed of the sampler's generator for unseeded requests")
     num_threads: int = arg(0, "torch threads for the model on CPU (0: torch's default, one per core)",
                            key="threads")
+    enable_lora: bool = arg(False, "serve LoRA adapters beside the base model (one batch may mix adapters)")
+    max_loras: int = arg(1, "LoRA adapters resident on the device at once (so in one batch at most)")
+    max_lora_rank: int = arg(16, "highest LoRA rank an adapter may have (device slots are sized for it)")
+    max_cpu_loras: int | None = arg(None, "LoRA adapters kept in host memory (default: max_loras)")
     debug_step_delay_s: float = arg(0.0, "test only: sleep this long in every step (a slow runtime on purpose)",
                                     key="debug_step_delay")
     speculative_config: dict | None = arg(
@@ -75,6 +79,13 @@ class EngineArgs:
             raise ValueError("; ".join(f"{name}: {reason}" for name, reason in errors))
         if self.speculative_config is not None:
             _check_speculative_config(self.speculative_config)
+            if self.enable_lora:  # drafts and verification know nothing of adapters yet
+                raise ValueError("speculative_config: not supported together with enable_lora")
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @property
     def speculative(self):

@@ -15,6 +15,7 @@ from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
+from shared.block_hash import adapter_root_hash
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -31,7 +32,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, self.args)
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size,
                                           self.args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens)
+        self.lora = self.runner.lora  # LoRAManager, or None without enable_lora
+        self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
+                                   lora=self.lora)
         self.spec = None  # speculative decoding (services.engine.spec_decode), when configured
         if self.args.speculative is not None:
             from services.engine.spec_decode import SpeculativeDecoder
@@ -60,22 +63,42 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises InvalidRequestError and changes nothing if bad."""
+                    arrival_time: float | None = None, lora_name: str | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError and changes nothing if bad.
+        `lora_name`: a registered LoRA adapter to run it with."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.inputs.process(prompt, params)
-        self.add_processed(request_id, text, ids, params, arrival_time)
+        if lora_name is not None:
+            self.acquire_lora(lora_name)
+        self.add_processed(request_id, text, ids, params, arrival_time, lora_name=lora_name)
+
+    def acquire_lora(self, name: str) -> None:
+        """Pin a LoRA adapter (read into the host cache if it is not there) for a request that
+        add_processed will queue; InvalidRequestError if it cannot serve."""
+        from services.engine.lora import LoRAAdapterError
+
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} requested, but this engine serves no adapters "
+                                      f"(engine argument enable_lora)", "model")
+        try:
+            self.lora.acquire(name)
+        except LoRAAdapterError as exc:
+            raise InvalidRequestError(str(exc), "model") from None
 
     def add_processed(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None, resumed: tuple[int, int] = (0, 0)) -> None:
+                      arrival_time: float | None = None, resumed: tuple[int, int] = (0, 0),
+                      lora_name: str | None = None) -> None:
         """Queue a request already validated by self.inputs (the async engine validates off-loop).
 
         resumed=(generated, text_chars): the continuation of a stream another replica started
         (protocol.Resume): the last `generated` ids are its completion so far, of which
-        `text_chars` characters of text were delivered, and max_tokens is what is left."""
+        `text_chars` characters of text were delivered, and max_tokens is what is left.
+        lora_name: its adapter, already pinned by acquire_lora (released when it ends)."""
         if request_id in self.requests:
+            if lora_name is not None:
+                self.lora.release(lora_name)
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = params.resolved(self.inputs.generation_defaults)  # a no-op once processed
         generated, text_chars = resumed
@@ -83,6 +106,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
+        if lora_name is not None:
+            seq.lora_name, seq.hash_root = lora_name, adapter_root_hash(lora_name)
         if generated:
             self._resume(seq, ids[len(prompt_ids):], text_chars)
         self.requests[request_id] = seq
@@ -107,7 +132,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         seq.finish_time = time.monotonic()
         self._aborted.append(self._output(seq))
         return True
@@ -126,6 +151,9 @@ class LLMEngine:
         start = time.perf_counter()
         self.last_step = None
         outputs, self._aborted = self._aborted, []
+        if self.lora is not None:  # unloaded adapters: their cached KV must not outlive them
+            for root in self.lora.take_retired():
+                self.block_manager.drop_chain(root)
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -197,9 +225,14 @@ class LLMEngine:
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
             seq.finish_time = now
             del self.requests[seq.request_id]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.lora_name is not None:
+            self.lora.release(seq.lora_name)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
@@ -243,4 +276,12 @@ class LLMEngine:
             **{f"step_{phase}_s": getattr(self.step_timings, phase) for phase in STEP_PHASES},
             "step_wall_s": self.step_timings.wall,
             **(self.spec.snapshot() if self.spec is not None else {}),
+            **(self._lora_stats() if self.lora is not None else {}),
         }
+
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: adapters of running and waiting requests; and the caches."""
+        sched = self.scheduler
+        return {**self.lora.stats(), "max_loras": self.lora.max_loras, "max_lora_rank": self.lora.max_lora_rank,
+                "lora_running": sorted({s.lora_name for s in sched.running if s.lora_name is not None}),
+                "lora_waiting": sorted({s.lora_name for s in list(sched.waiting) if s.lora_name is not None})}

@@ -62,6 +62,11 @@ class EngineMetrics:
                                        buckets=_STEP_BUCKETS, registry=r).labels(**self._values)
         self._success = family(Counter("strata:request_success", "Finished requests by reason.",
                                        labels + ["finished_reason"], registry=r))
+        # LoRA, as vLLM names it: one sample whose labels list the adapters of running and
+        # waiting requests (comma-separated) and the slot count; its value is when it was set.
+        self._lora_info = family(Gauge("strata:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                       labels + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                                       registry=r))
         r.register(VllmNames(vllm_named))
         # Strata's own: requests that waited in an admission queue for this replica to start.
         self.cold_start_requests = Counter("strata:cold_start_requests",
@@ -70,7 +75,16 @@ class EngineMetrics:
         self.cold_start_wait = Counter("strata:cold_start_wait_seconds",
                                        "Seconds those requests waited before this replica was ready (its cold start), "
                                        "summed.", labels, registry=r).labels(**self._values)
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+        # Strata's own: LoRA adapter slot fills, evictions and disk reads.
+        self.lora_loads = Counter("strata:lora_adapter_loads", "LoRA adapters made resident in a device slot.",
+                                  labels, registry=r).labels(**self._values)
+        self.lora_evictions = Counter("strata:lora_adapter_evictions",
+                                      "Resident LoRA adapters replaced by another in their device slot.",
+                                      labels, registry=r).labels(**self._values)
+        self.lora_disk_loads = Counter("strata:lora_adapter_disk_loads", "LoRA adapters read from disk into host memory.",
+                                       labels, registry=r).labels(**self._values)
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "lora_loads": 0, "lora_evictions": 0,
+                      "lora_disk_loads": 0}
         # Speculative decoding, as vLLM's spec_decode metrics.
         self.spec_drafts = counter("strata:spec_decode_num_drafts", "Speculated runs verified (one per sequence "
                                                                     "per step that had drafts).")
@@ -119,9 +133,17 @@ class EngineMetrics:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["used_blocks"] / max(stats["total_blocks"], 1))
-        for key, counter, stat in (("queries", self.prefix_queries, "prefix_cache_queries"),
-                                   ("hits", self.prefix_hits, "prefix_cache_hits"),
-                                   ("preemptions", self.preemptions, "num_preemptions")):
+        mirrored = [("queries", self.prefix_queries, "prefix_cache_queries"),
+                    ("hits", self.prefix_hits, "prefix_cache_hits"),
+                    ("preemptions", self.preemptions, "num_preemptions")]
+        if "lora_loads" in stats:
+            mirrored += [(k, c, k) for k, c in (("lora_loads", self.lora_loads), ("lora_evictions", self.lora_evictions),
+                                                 ("lora_disk_loads", self.lora_disk_loads))]
+            self._lora_info.clear()
+            self._lora_info.labels(**self._values, running_lora_adapters=",".join(stats["lora_running"]),
+                                   waiting_lora_adapters=",".join(stats["lora_waiting"]),
+                                   max_lora=str(stats["max_loras"])).set(time.time())
+        for key, counter, stat in mirrored:
             delta = stats[stat] - self._last[key]
             if delta > 0:
                 counter.inc(delta)

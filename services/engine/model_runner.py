@@ -99,6 +99,13 @@ class ModelRunner:
         self.kv_cache_dtype = args.kv_cache_dtype
         self.ops = quantized_kv.attention_ops(select_ops(self.device, args.attention_backend), args.kv_cache_dtype)
         self.model = LlamaModel(config, self.dtype, self.device, self.ops, linear_loader(self.quantization))
+        self.lora = None  # LoRAManager: adapters beside the base weights (enable_lora)
+        if args.enable_lora:
+            from services.engine.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config, args.max_loras, args.max_lora_rank,
+                                    args.max_cpu_loras or args.max_loras, self.dtype, self.device,
+                                    use_triton=self.ops.name == "triton")
         self.block_size = args.block_size
         self.num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
@@ -108,7 +115,8 @@ class ModelRunner:
         self.verifier = None
         self.verify_as_decode_rows = self.ops.name == "torch" and self.device.type == "cpu"
         self.graphs = None
-        if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton":
+        # Decode graphs capture no LoRA deltas: with adapters every step runs eagerly.
+        if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton" and self.lora is None:
             from services.engine.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-(args.max_model_len or config.max_position_embeddings) // self.block_size)
@@ -156,6 +164,8 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             decode = (n == 1 and seq.num_computed_tokens > 0) or (self.verify_as_decode_rows and seq.spec_token_ids)
             (decodes if decode else prefills).append((seq, n))
+        if self.lora is not None:  # decodes of one adapter side by side: one run each (LoRALinear)
+            decodes.sort(key=lambda item: self.lora.slot(item[0].lora_name))
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -210,6 +220,8 @@ class ModelRunner:
             if seq.num_computed_tokens + n == seq.num_tokens + m:
                 sample_rows.extend(range(offset - 1 - m, offset))
                 sample_seqs.extend([seq] * (m + 1))
+        if self.lora is not None:
+            self.lora.set_batch([(self.lora.slot(seq.lora_name), n) for seq, n in order])
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs

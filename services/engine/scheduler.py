@@ -7,16 +7,22 @@ Waiting sequences are admitted strictly in order while blocks and budget last. W
 out, the most recently admitted running sequence is preempted (its blocks freed, recomputed
 later, ahead of new arrivals); no new sequence is admitted in a step that preempted, and
 admission keeps a small watermark of free blocks for running decodes, so the batch does not
-thrash between admitting and preempting.
+thrash between admitting and preempting. With LoRA adapters (`lora`: the engine's
+LoRAManager), a waiting sequence whose adapter cannot get a device slot (every slot holds an
+adapter that running sequences use) is passed over, and the ones behind it may run; once it
+has waited LORA_MAX_PASS_OVER_S, nothing behind it is admitted until a slot frees for it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, SequenceStatus
+
+LORA_MAX_PASS_OVER_S = 5.0  # then a passed-over request stops others from keeping every slot busy
 
 
 @dataclass
@@ -35,8 +41,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, lora=None):
         self.block_manager = block_manager
+        self.lora = lora  # has can_schedule(seq, running): its adapter is (now) resident
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
@@ -75,8 +82,14 @@ class Scheduler:
 
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        j = 0  # waiting sequences passed over (their adapter has no slot now)
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            if self.lora is not None and not self.lora.can_schedule(seq, self.running):
+                if time.monotonic() - seq.arrival_time > LORA_MAX_PASS_OVER_S:
+                    break  # running requests finish, and their slot goes to it
+                j += 1
+                continue
             cached = bm.match_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             fresh = bm.blocks_needed_for_admission(len(cached), num_new)
@@ -84,7 +97,7 @@ class Scheduler:
                 break
             if not bm.admit(seq, num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

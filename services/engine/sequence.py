@@ -9,6 +9,7 @@ import numpy as np
 
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.sampling_params import SamplingParams
+from shared.block_hash import ROOT_HASH
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +37,8 @@ class Sequence:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hash of each full block, memoized by the block manager
         self.num_registered_blocks = 0  # leading blocks of block_table already checked into the cache
+        self.lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+        self.hash_root = ROOT_HASH  # parent hash of its first block: adapter_root_hash(lora_name)
 
         self._token_array = np.empty(0, dtype=np.int64)  # token_ids as an array, extended lazily
         self._token_array_len = 0

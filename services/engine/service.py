@@ -4,8 +4,9 @@ Wires NATS subscriptions to handlers: generate requests stream TokenChunks strai
 caller's reply subject; cancels abort; KV events and heartbeats go out. Heartbeats and the Redis
 registry lease come from a thread of their own (services.engine.heartbeats), from the moment the
 process is on the bus: `starting` while the model loads (so requests for it wait instead of being
-refused), then `ready`. SIGTERM drains: no new work, in-flight streams finish (up to a timeout),
-the entry is removed, exit 0.
+refused), then `ready`. With enable_lora, the adapters registered for its deployment
+(shared.adapters) are served: registered and unregistered as announced. SIGTERM drains: no new
+work, in-flight streams finish (up to a timeout), the entry is removed, exit 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -28,17 +30,18 @@ from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
 from services.engine.heartbeats import HeartbeatThread
 from services.engine.llm_engine import LLMEngine
+from services.engine.lora import LoRAAdapterError
 from services.engine.metrics import EngineMetrics
 from services.engine.observe import engine_stamps, record_spans
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from shared import http, protocol, registry, telemetry
+from shared import adapters, http, protocol, registry, telemetry
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
-                             KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, SpecDecodeUsage,
-                             TokenChunk, TokenLogprob, Usage)
+                             KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, LoraAdaptersChanged,
+                             SpecDecodeUsage, TokenChunk, TokenLogprob, Usage)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -126,6 +129,10 @@ class EngineWorker:
         await self.bus.subscribe(protocol.engine_generate(cfg.replica_id), GenerateRequest, self.on_generate)
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
+        if engine.lora is not None:
+            await self.bus.subscribe(protocol.lora_adapters(cfg.deployment), LoraAdaptersChanged, self.on_adapters)
+            await self.sync_adapters()
+            self._spawn(self._adapter_sync_loop())
         self._spawn(self._publish_kv_events())
         self._spawn(self._publish_outbox())
         self._spawn(self.history.run())
@@ -210,11 +217,13 @@ class EngineWorker:
         if error is not None:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, error)
             return
+        if req.lora is not None and not await self._adapter_ready(req, raw):
+            return
         sink = ChunkSink(self, req, arrival)
         try:
             resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
             self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink,
-                                    resumed=resumed)
+                                    resumed=resumed, lora_name=req.lora)
         except InvalidRequestError as exc:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
             return
@@ -244,6 +253,61 @@ class EngineWorker:
             return None
         return (f"this model's maximum context length is {engine.max_model_len} tokens: a prompt of {prompt_len} "
                 f"and max_tokens {req.sampling.max_tokens} do not fit")
+    async def _adapter_ready(self, req: GenerateRequest, raw) -> bool:
+        """The request's adapter is served here and in the host cache (read from disk off the
+        event loop and off the step loop); otherwise the request is refused."""
+        lora = self.engine.engine.lora
+        if lora is None:
+            await self._refuse(req, raw, ErrorCode.BAD_REQUEST, f"LoRA adapter {req.lora!r} requested, but "
+                                                                 f"{self.cfg.deployment} serves no adapters (enable_lora)")
+            return False
+        if lora.path_of(req.lora) is None:
+            await self.sync_adapters()  # loaded a moment ago: the announcement may still be on its way
+        if lora.path_of(req.lora) is None:
+            await self._refuse(req, raw, ErrorCode.NOT_FOUND, f"LoRA adapter {req.lora!r} is not loaded for "
+                                                               f"{self.cfg.deployment}")
+            return False
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, lora.prefetch, req.lora)
+        except LoRAAdapterError as exc:
+            await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
+            return False
+        return True
+
+    # ---- LoRA adapters: the deployment's registry, applied here ------------------------------
+    async def on_adapters(self, _msg: LoraAdaptersChanged, _raw) -> None:
+        await self.sync_adapters()
+
+    async def sync_adapters(self) -> None:
+        """Register and unregister adapters to match the deployment's registry. An adapter that
+        cannot serve here is logged and skipped; the others serve on."""
+        lora = self.engine.engine.lora
+        try:
+            wanted = await adapters.read(self.redis, self.cfg.deployment)
+        except Exception as exc:  # Redis away: keep what we serve
+            log.warning("adapter registry unavailable", error=str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        for name in set(lora.names()) - set(wanted):
+            lora.unregister(name)
+            log.info("lora adapter unloaded", adapter=name)
+        for name, entry in wanted.items():
+            current = lora.path_of(name)
+            if current is not None and current == Path(entry.path).expanduser().resolve():
+                continue
+            if current is not None:
+                lora.unregister(name)
+            try:
+                info = await loop.run_in_executor(None, lora.register, name, entry.path)
+            except LoRAAdapterError as exc:
+                log.warning("lora adapter refused", adapter=name, path=entry.path, error=str(exc))
+                continue
+            log.info("lora adapter loaded", adapter=name, path=entry.path, rank=info.rank, modules=info.modules)
+
+    async def _adapter_sync_loop(self, interval: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.sync_adapters()
 
     async def _refuse(self, req: GenerateRequest, raw, code: str, message: str) -> None:
         """Refused requests: the sender learns it on the ack if it asked for one (and owns the
@@ -385,7 +449,10 @@ class EngineWorker:
             timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self._latency[0],
             itl_p50_s=self._latency[1], requests_finished=self.metrics.finished_total,
             requests_failed=self.metrics.failed_total, steps_total=stats["num_steps"], region=self.cfg.region,
-            pool=self.cfg.pool)
+            pool=self.cfg.pool, lora_resident=stats.get("lora_resident", []),
+            lora_cached=stats.get("lora_cached", []), lora_running=stats.get("lora_running", []),
+            lora_waiting=stats.get("lora_waiting", []), max_loras=stats.get("max_loras", 0),
+            max_lora_rank=stats.get("max_lora_rank", 0))
 
     def _registry_fields(self) -> dict:
         return {"http_url": self.http_url, "host": socket.gethostname(), "pid": os.getpid()}

@@ -53,8 +53,9 @@ _USAGE = {"type": "object", "properties": {
 
 
 def _errors(*statuses: int) -> dict:
-    descriptions = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model",
-                    408: "The request body did not arrive in time", 413: "Request body too large",
+    descriptions = {400: "Invalid request", 401: "Missing or invalid API key", 403: "Needs an admin key",
+                    404: "Unknown model (or adapter)", 408: "The request body did not arrive in time",
+                    409: "Another adapter has that name", 413: "Request body too large",
                     429: "Rate limited (see retry-after)",
                     503: "Overloaded: no capacity before the deadline (see retry-after)", 504: "Timed out"}
     return {str(s): {"description": descriptions[s],
@@ -102,6 +103,13 @@ def openapi_spec(server_url: str = "") -> dict:
                                       "content": {"application/json": {"schema": {"type": "object"}},
                                                   "text/event-stream": {"schema": {"type": "string"}}}},
                               **generation_errors}}},
+            **{f"/v1/{verb}_lora_adapter": {"post": {
+                "operationId": f"{verb}LoraAdapter",
+                "description": f"{verb.capitalize()} a LoRA adapter for a base model (admin key), as vLLM's API.",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "$ref": "#/components/schemas/LoraAdapterRequest"}}}},
+                "responses": {"200": {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              **_errors(400, 401, 403, 404, 409)}}} for verb in ("load", "unload")},
             "/health": {"get": {"operationId": "health", "security": [],
                                 "responses": {"200": {"description": "Healthy"}, "503": {"description": "Degraded"}}}},
             "/metrics": {"get": {"operationId": "metrics", "security": [],
@@ -111,6 +119,9 @@ def openapi_spec(server_url: str = "") -> dict:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "Error": _ERROR,
+                "LoraAdapterRequest": {"type": "object", "required": ["lora_name"], "properties": {
+                    "lora_name": {"type": "string"}, "lora_path": {"type": "string", "description": "load only"},
+                    "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {
                     "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM],

@@ -28,6 +28,7 @@ from services.gateway import openai_api as oa
 from services.gateway import tracing
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
+from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
@@ -167,8 +168,12 @@ class GatewayService:
         self.redis = connect_redis(self.cfg.redis_url, f"gateway-{self.cfg.gateway_id}")
         self.keys = KeyStore(self.redis)
         self.metrics.store_losses.set_function(lambda: self.keys.losses)
+        self.adapters = AdapterCatalog(self.redis, lambda: self.models)  # before deployments: it serves theirs
         self.deployments = DeploymentWatcher(self.redis, self._on_deployment_change)
+        self.lora_api = LoraApi(self.adapters, self.bus, self._authenticate, self.deployments, self._read_json)
         await self.deployments.start(self.bus)
+        await self.bus.subscribe(protocol.LORA_ADAPTERS_ALL, protocol.LoraAdaptersChanged, self.adapters.on_change)
+        await self.adapters.refresh_all()
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
         await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
         self._stats_sub = await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats,
@@ -185,7 +190,7 @@ class GatewayService:
         self.url = http.advertised_url(self.cfg.host, port)
         self._observers = [asyncio.create_task(self.history.run()), asyncio.create_task(registry.keep_announced(
             self.redis, "gateway", self.cfg.gateway_id, {"http_url": self.url})),
-            asyncio.create_task(self.keys.watch())]
+            asyncio.create_task(self.keys.watch()), asyncio.create_task(self._adapters_resync())]
         log.info("gateway ready", url=self.url, models=list(self.models))
 
     async def stop(self) -> None:
@@ -212,7 +217,21 @@ class GatewayService:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora_api.load(request)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora_api.unload(request)
+
+    async def _adapters_resync(self, interval: float = 5.0) -> None:
+        """Heals a lost adapter announcement."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.adapters.refresh_all()
 
     async def _on_deployment_change(self, name: str, deployment: Deployment | None) -> None:
         """Serve a deployment under its name and aliases (the stable revision's tokenizer)."""
@@ -235,6 +254,7 @@ class GatewayService:
         for alias in spec.aliases:
             if alias not in self.models:
                 self.aliases[alias] = name
+        await self.adapters.refresh(name)
         log.info("deployment served", deployment=name, aliases=spec.aliases, revision=deployment.state.stable)
 
     # ---- plumbing ---------------------------------------------------------------------------
@@ -389,7 +409,7 @@ class GatewayService:
              "max_model_len": m.max_model_len, **replicas[m.name]} for m in self.models.values()] + [
             {"id": alias, "object": "model", "created": self.models[target].created, "owned_by": "strata",
              "root": target, "max_model_len": self.models[target].max_model_len}
-            for alias, target in self.aliases.items() if target in self.models]})
+            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()})
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -400,8 +420,8 @@ class GatewayService:
 
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
-        parsed, model, ids = await prompt_of(request)
-        return await self._serve(request, key, parsed, model, ids)
+        parsed, model, ids, lora = await prompt_of(request)
+        return await self._serve(request, key, parsed, model, ids, lora)
 
     @web.middleware
     async def _admission_middleware(self, request: web.Request, handler):
@@ -430,9 +450,9 @@ class GatewayService:
                         inflight=self.inflight.inflight, limit=self.inflight.limit)
             self._refused_unlogged, self._refusals_logged_at = 0, now
 
-    async def _completion_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int]]:
+    async def _completion_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int], str | None]:
         parsed = oa.parse_completion(await self._read_json(request))
-        model = self._model(parsed.model)
+        model, lora = self._model_and_adapter(parsed.model)
         if parsed.prompt_token_ids is not None:
             ids = parsed.prompt_token_ids
             bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
@@ -440,11 +460,11 @@ class GatewayService:
                 raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
         else:
             ids = await self._off_loop(len(parsed.prompt_text), model.tokenizer.encode, parsed.prompt_text)
-        return parsed, model, ids
+        return parsed, model, ids, lora
 
-    async def _chat_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int]]:
+    async def _chat_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int], str | None]:
         parsed, messages = oa.parse_chat(await self._read_json(request))
-        model = self._model(parsed.model)
+        model, lora = self._model_and_adapter(parsed.model)
 
         def render() -> list[int]:
             text = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -456,7 +476,7 @@ class GatewayService:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
         if parsed.extra.get("max_tokens_unset"):  # bounded: never "the whole context" by default
             parsed.sampling.max_tokens = max(min(self.default_max_tokens(model.name), model.max_model_len - len(ids)), 1)
-        return parsed, model, ids
+        return parsed, model, ids, lora
 
     def default_max_tokens(self, model: str) -> int:
         """max_tokens of a chat request that gives none: its deployment's limit, else this gateway's."""
@@ -474,6 +494,17 @@ class GatewayService:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
+    def _model_and_adapter(self, name: str) -> tuple[ServedModel, str | None]:
+        """The served model a request names, and its LoRA adapter ("base:adapter" or an adapter's name)."""
+        found = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
+        if found is not None:
+            return found, None
+        resolved = self.adapters.resolve(name)
+        if resolved is None:
+            return self._model(name), None  # raises model_not_found
+        base, adapter = resolved
+        return self._model(base), adapter
+
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
         if model is None:  # echoed bounded: a client's megabyte of "model" is not sent back
@@ -483,7 +514,7 @@ class GatewayService:
         return model
 
     async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
-                     ids: list[int]) -> web.StreamResponse:
+                     ids: list[int], lora: str | None = None) -> web.StreamResponse:
         arrival = tracing.received_at()
         if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
             raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
@@ -503,7 +534,8 @@ class GatewayService:
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
                               prompt_token_ids=ids, sampling=parsed.sampling, deadline=deadline,
                               tenant=key.tenant, priority=key.priority,
-                              timestamps={"gateway_received": arrival}, region=self.cfg.region or None)
+                              timestamps={"gateway_received": arrival}, region=self.cfg.region or None,
+                              lora=lora)
         tracing.annotate_request(gen, parsed.stream)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue

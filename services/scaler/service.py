@@ -27,6 +27,7 @@ from services.scaler.actuators import Actuator
 from services.scaler.placement import Placer
 from services.scaler.policy import ScalerPolicy, ScalingConfig, Signals
 from services.scaler.pools import PoolSet
+from services.scheduler.lora_placement import adapter_replica_floor
 from shared import http, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.deployments import Deployment, DeploymentWatcher
@@ -60,6 +61,14 @@ def policy_config(deployment: Deployment, cold_start_s: float) -> ScalingConfig:
                          stable_window_s=spec.scaling.stable_window_s, panic_window_s=spec.scaling.panic_window_s,
                          scale_down_delay_s=spec.scaling.scale_down_delay_s,
                          scale_to_zero_after_s=spec.scaling.scale_to_zero_after_s, cold_start_s=cold_start_s)
+
+
+def lora_floor(live: list[Heartbeat]) -> int:
+    """The replicas the LoRA adapters in use (running or waiting anywhere) need to be resident
+    at once, at the fewest slots a replica has (services.scheduler.lora_placement)."""
+    slots = [hb.max_loras for hb in live if hb.max_loras]
+    in_use = {a for hb in live for a in (*hb.lora_running, *hb.lora_waiting)}
+    return adapter_replica_floor(in_use, min(slots)) if slots else 0
 
 
 def split_by_revision(desired: int, serving: dict[int, int]) -> dict[int, int]:
@@ -220,6 +229,10 @@ class ScalerService:
         ready_by_rev = {rev: sum(hb.state == "ready" and hb.revision == rev for hb in live) for rev in revisions}
         signals.starting = sum(h.starting for rev in revisions for h in self.pools.held(name, rev).values())
         decision = policy.decide(signals)
+        floor = lora_floor(live)
+        if floor > decision.desired and decision.desired < config.max_replicas:
+            decision.desired = min(floor, config.max_replicas)
+            decision.reason += f"; LoRA adapters in use need {floor} replicas"
         counts = split_by_revision(decision.desired, serving)
         for rev in self.pools.revisions(name) - set(counts):
             counts[rev] = 0  # no longer served: drain

@@ -5,6 +5,10 @@ the prompt blocks it still has to compute (those beyond its longest cached prefi
 load, each request it carries (running, queued, or routed since its last report) counting as
 `load_weight` blocks. A popular prefix therefore stays on its holder only while the holder is
 not much busier than recomputing the prefix elsewhere: hot prefixes spread instead of piling up.
+A request for a LoRA adapter adds the adapter's cost there (`adapter_cost`): nothing where it is
+resident in a device slot, a little where it is in the host cache, more where it must be read
+from disk, and more again on a replica the placement policy (services.scheduler.lora_placement)
+did not pack it onto.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ import random
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_load", "kv_aware")
+
+# A LoRA adapter's cost on a replica, in blocks of prefill work (see Router.adapter_cost).
+ADAPTER_CACHED_COST = 6.0  # in the host cache: a host-to-device copy, and maybe a wait for a free slot
+ADAPTER_LOAD_COST = 16.0  # neither: read from disk, then copied
+ADAPTER_UNPLACED_COST = 24.0  # placement packed it elsewhere (a load there evicts what was packed)
 
 
 @dataclass
@@ -35,6 +44,9 @@ class ReplicaState:
     region: str = ""  # where it runs ("": near every request)
     finish_rate: float = 0.0  # requests it finishes per second (moving average of its reports)
     ttft_s: float | None = None  # recent time to first token there (p90)
+    lora_resident: frozenset[str] = frozenset()  # LoRA adapters in its device slots
+    lora_cached: frozenset[str] = frozenset()  # LoRA adapters in its host cache
+    max_loras: int = 0  # device slots for adapters (0: it serves none)
 
     @property
     def load(self) -> int:
@@ -92,8 +104,10 @@ class Router:
         self._rr = itertools.count()
 
     def rank(self, policy: str, candidates: list[ReplicaState], prompt_blocks: int = 0,
-             overlaps: dict[str, int] | None = None) -> list[Decision]:
-        """Candidates best first under `policy`."""
+             overlaps: dict[str, int] | None = None, adapter: str | None = None,
+             placed: set[str] | None = None) -> list[Decision]:
+        """Candidates best first under `policy`. `adapter`: the request's LoRA adapter; `placed`:
+        the replicas placement packed it onto (kv_aware weighs both)."""
         if not candidates:
             return []
         shuffled = list(candidates)
@@ -108,7 +122,8 @@ class Router:
             ordered = sorted(shuffled, key=lambda r: (r.load, r.kv_usage))
             return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks) for r in ordered]
         if policy == "kv_aware":
-            costs = {r.replica_id: self.cost(r, prompt_blocks, overlaps.get(r.replica_id, 0)) for r in shuffled}
+            costs = {r.replica_id: self.cost(r, prompt_blocks, overlaps.get(r.replica_id, 0))
+                     + self.adapter_cost(r, adapter, placed) for r in shuffled}
             ordered = sorted(shuffled, key=lambda r: costs[r.replica_id])
             return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks, costs) for r in ordered]
         raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
@@ -116,3 +131,14 @@ class Router:
     def cost(self, r: ReplicaState, prompt_blocks: int, cached_blocks: int) -> float:
         prefill = prompt_blocks + 1 - cached_blocks  # the partial last block is always computed
         return prefill + self.load_weight * r.load
+
+    @staticmethod
+    def adapter_cost(r: ReplicaState, adapter: str | None, placed: set[str] | None = None) -> float:
+        """resident < cached < must load, plus a penalty off the adapter's placement."""
+        if adapter is None:
+            return 0.0
+        cost = 0.0 if adapter in r.lora_resident else ADAPTER_CACHED_COST if adapter in r.lora_cached \
+            else ADAPTER_LOAD_COST
+        if placed and r.replica_id not in placed:
+            cost += ADAPTER_UNPLACED_COST
+        return cost

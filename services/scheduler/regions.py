@@ -48,14 +48,18 @@ class RegionChoice:
 
 
 def rank_across_regions(router: Router, policy: str, candidates: list[ReplicaState], region: str, penalty_s: float,
-                        prompt_blocks: int = 0, overlaps: dict[str, int] | None = None) -> RegionChoice:
+                        prompt_blocks: int = 0, overlaps: dict[str, int] | None = None, adapter: str | None = None,
+                        placed: set[str] | None = None) -> RegionChoice:
+    def rank(replicas: list[ReplicaState]) -> list[Decision]:
+        return router.rank(policy, replicas, prompt_blocks, overlaps, adapter, placed)
+
     local = [r for r in candidates if near(r, region)]
     remote = [r for r in candidates if not near(r, region)]
     if not remote:
-        return RegionChoice(router.rank(policy, candidates, prompt_blocks, overlaps))
-    near_ranked = router.rank(policy, local, prompt_blocks, overlaps)
-    far_ranked = router.rank(policy, [r for r in remote if not r.saturated], prompt_blocks, overlaps)
-    far_all = far_ranked + [d for d in router.rank(policy, remote, prompt_blocks, overlaps) if d.replica.saturated]
+        return RegionChoice(rank(candidates))
+    near_ranked = rank(local)
+    far_ranked = rank([r for r in remote if not r.saturated])
+    far_all = far_ranked + [d for d in rank(remote) if d.replica.saturated]
     if not near_ranked:
         return RegionChoice(far_all, crossed=True, reason=f"no replica in region {region}")
     if not far_ranked:

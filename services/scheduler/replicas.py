@@ -26,6 +26,7 @@ class ReplicaView:
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
         r.region = hb.region
+        r.lora_resident, r.lora_cached, r.max_loras = frozenset(hb.lora_resident), frozenset(hb.lora_cached), hb.max_loras
         r.reported(hb.accepted_total)
         r.ttft_s = hb.ttft_p90_s
         r.last_seen = now

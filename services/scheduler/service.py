@@ -10,6 +10,9 @@ refused at once with `overloaded` and when to retry. A replica that refuses or d
 acknowledge is avoided for a while and the next is tried; a forward that timed out is withdrawn
 from that replica only (its cancel names the replica), so it cannot refuse the retry. The caller
 hears from the scheduler only when nobody takes the request.
+Requests for a LoRA adapter hash their prompt on the adapter's chain (their KV is the
+adapter's own) and weigh where the adapter is resident and where placement packs it
+(services.scheduler.lora_placement, recomputed every second from recent demand).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from nats.errors import NoRespondersError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
+from services.scheduler.lora_placement import DemandWindow, place_adapters, placed_replicas
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.regions import DEFAULT_PENALTY_S, rank_across_regions
@@ -31,7 +35,7 @@ from services.scheduler.replicas import ReplicaView
 from services.scheduler.tracing import RoutingSpans
 from shared import http, keys, protocol, registry
 from shared.deployments import DeploymentWatcher
-from shared.block_hash import prompt_block_hashes
+from shared.block_hash import adapter_root_hash, prompt_block_hashes
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
@@ -125,6 +129,8 @@ class SchedulerService:
         self._cancelled: dict[str, float] = {}  # request id -> when a cancel arrived while routing
         self._routing: dict[str, str | None] = {}  # request id -> tenant, while waiting for an engine
         self.spans = RoutingSpans()
+        self.lora_demand: dict[str, DemandWindow] = {}  # model -> recent requests per adapter
+        self.lora_placed: dict[str, dict[str, set[str]]] = {}  # model -> adapter -> replicas packed with it
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -292,6 +298,8 @@ class SchedulerService:
         self.spans.begin(req)
         if raw.reply:  # receipt: the caller now knows a scheduler owns the request
             await self.bus.publish(raw.reply, GenerateAck(req.request_id, self.cfg.scheduler_id, True))
+        if req.lora is not None:
+            self.lora_demand.setdefault(req.model, DemandWindow()).add(req.lora, time.monotonic())
         # No replica ready (starting, scaled to zero, or none heard of yet): the request waits in
         # the queue, whose depth tells the scaler to start one, within its deadline.
         if req.deadline is not None and req.deadline <= time.time():
@@ -411,7 +419,7 @@ class SchedulerService:
                 break
             candidates, revision = self.revision_candidates(req.model, candidates, draw)
             block_size = candidates[0].block_size
-            hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size)
+            hashes = prompt_block_hashes(req.prompt_token_ids or [], block_size, adapter_root_hash(req.lora))
             overlaps = {}
             # Every policy looks the prompt up (one Redis round trip), so the reachable prefix
             # fraction is known whichever routes: it is how diagnose tells a wrong policy.
@@ -423,7 +431,8 @@ class SchedulerService:
                     log.warning("prefix index unavailable", error=str(exc))
             region = req.region or self.cfg.region
             choice_of_region = rank_across_regions(self.router, policy, candidates, region,
-                                                   self.cfg.inter_region_penalty_s, len(hashes), overlaps)
+                                                   self.cfg.inter_region_penalty_s, len(hashes), overlaps, req.lora,
+                                                   self.lora_placed.get(req.model, {}).get(req.lora))
             ranked = choice_of_region.ranked
             decision = ranked[0]
             self.spans.decided(req, ranked, attempt, revision)
@@ -442,7 +451,7 @@ class SchedulerService:
                     self.metrics.matched.labels(req.model).observe(decision.cached_blocks / len(hashes))
                     self.metrics.reachable.labels(req.model).observe(max(overlaps.values()) / len(hashes))
                 log.info("routed", request_id=req.request_id, replica_id=choice.replica_id, policy=policy,
-                         region=choice.region or None, crossed=choice_of_region.reason or None,
+                         lora=req.lora, region=choice.region or None, crossed=choice_of_region.reason or None,
                          revision=revision, attempt=attempt, cached_blocks=decision.cached_blocks, prompt_blocks=len(hashes),
                          queue_wait_ms=round((req.timestamps.get("scheduler_dequeued", received) - received) * 1e3, 3))
                 self.metrics.routing_time.observe(time.time() - received)
@@ -513,10 +522,19 @@ class SchedulerService:
                                                                      finish_reason="abort"))
             return
 
+    def place_adapters(self, now: float) -> None:
+        """Re-pack each model's adapters onto its replicas from the recent demand."""
+        for model, window in self.lora_demand.items():
+            replicas = [r for r in self.view.candidates(model) if r.max_loras]
+            placement = place_adapters(window.demand(now), {r.replica_id: r.max_loras for r in replicas},
+                                       {r.replica_id: set(r.lora_resident) for r in replicas})
+            self.lora_placed[model] = placed_replicas(placement)
+
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            self.place_adapters(now)
             stats = SchedulerStats(scheduler_id=self.cfg.scheduler_id,
                                    queue_depth={m: len(q) for m, q in self.queues.items()},
                                    oldest_wait_s={m: q.oldest_wait(now) for m, q in self.queues.items()},

@@ -192,6 +192,8 @@ def targets(stack) -> list[tuple[str, str, type]]:
         "ENGINE_GENERATE_ALL": (protocol.engine_generate(replica), protocol.GenerateRequest),
         "ENGINE_KV_SNAPSHOT_ALL": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
         "engine_kv_snapshot": (protocol.engine_kv_snapshot(replica), protocol.KvSnapshotRequest),
+        "LORA_ADAPTERS_ALL": (protocol.lora_adapters(model), protocol.LoraAdaptersChanged),
+        "lora_adapters": (protocol.lora_adapters("fuzzed-model"), protocol.LoraAdaptersChanged),
         # Read by `strata logs` (kept a while by JetStream), not by a service: garbage must not stop them.
         "LOGS_ALL": (protocol.logs("gateway", "gateway"), protocol.LogLine),
         "logs": (protocol.logs("fuzzed", "fuzzed"), protocol.LogLine),

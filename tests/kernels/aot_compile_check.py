@@ -27,6 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.activation as ACT  # noqa: E402
 import kernels.attention as A  # noqa: E402
+import kernels.lora as L  # noqa: E402
 import kernels.norm as N  # noqa: E402
 import kernels.quant_matmul as Q  # noqa: E402
 import kernels.rotary as R  # noqa: E402
@@ -110,6 +111,13 @@ def variants():
            dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64))
     yield ("silu_and_mul bf16", ACT._silu_and_mul_kernel,
            dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, d=i32), dict(BLOCK=1024))
+    # LoRA at max_lora_rank 64 on a fused qkv (3 slices: 192 rows), as kernels.lora launches them.
+    yield ("bgmv_shrink bf16", L._bgmv_shrink_kernel,
+           dict(x_ptr=p, a_ptr=p, slot_ptr="*i32", y_ptr="*fp32", K=i32, N=i32, stride_x=i32, stride_al=i32,
+                stride_an=i32, stride_y=i32), dict(BLOCK_N=64, BLOCK_K=128))
+    yield ("bgmv_expand bf16 rows=192", L._bgmv_expand_kernel,
+           dict(y_ptr="*fp32", b_ptr=p, slot_ptr="*i32", out_ptr=p, R=i32, N=i32, stride_y=i32, stride_bl=i32,
+                stride_br=i32, stride_o=i32), dict(BLOCK_N=64, BLOCK_R=256))
 
 
 def main(argv=None) -> int:
