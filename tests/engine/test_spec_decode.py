@@ -242,3 +242,14 @@ def test_requests_report_their_acceptance(copying, prompts):
     stats = llm.stats()
     assert (m.num_draft_tokens, m.num_accepted_tokens) == (stats["spec_decode_num_draft_tokens"],
                                                            stats["spec_decode_num_accepted_tokens"])
+
+
+def test_speculation_over_int8_weights_and_kv_cache_changes_no_token(copying, prompts):
+    """Verification reads a quantized KV cache and runs quantized projections exactly as plain
+    decoding does, so speculation still changes no greedy token."""
+    precision = dict(quantization="int8", kv_cache_dtype="int8", max_num_seqs=8)
+    plain = generate(copying[0], prompts, GREEDY, **precision)[1]
+    llm, outputs = generate(copying[0], prompts, GREEDY, speculative_config=ngram(adaptive=False), **precision)
+    assert outputs == plain
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_no_leak(llm.engine)

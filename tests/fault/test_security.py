@@ -166,4 +166,5 @@ def test_no_route_reads_a_request_by_id():
     response) id, so another tenant has nothing to ask for."""
     for app, method, path in routes():
         assert "{" not in path or app == "control" and (path.startswith("/api/v1/deployments/{name}")
+                                                        or path.startswith("/api/v1/pools/{name}")
                                                         or path == "/api/v1/keys/{id}"), path  # an API key's id

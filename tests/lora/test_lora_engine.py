@@ -190,3 +190,21 @@ def test_a_passed_over_request_is_not_starved(tiny_model_dir, peft_adapters, pro
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished.index("other") < finished.index("busy-1")
     assert_no_leak(engine)
+
+
+def test_adapters_over_int8_weights_match_each_alone(tiny_model_dir, peft_adapters, prompts):
+    """The deltas sit beside a quantized base Linear as beside a dense one: a mixed batch equals
+    each request alone, and every adapter changes the quantized model's output."""
+    llm = lora_llm(tiny_model_dir, max_loras=4, quantization="int8")
+    loras = [None] + [LoRARequest(n, str(p)) for n, p in peft_adapters.items()]
+    alone = [llm.generate(prompts[0], GREEDY, lora_request=lora)[0].outputs[0].token_ids for lora in loras]
+    outs = llm.generate([prompts[0]] * len(loras), GREEDY, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert all(tokens != alone[0] for tokens in alone[1:])
+    assert llm.stats()["quantization"] == "int8"
+    assert_no_leak(llm.engine)
+
+
+def test_speculative_decoding_with_lora_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="speculative_config.*enable_lora"):
+        lora_llm(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
