@@ -221,8 +221,8 @@ class Sampler:
         """Per row: (the chosen token's logprob, top-n) where the row asked, else None."""
         results: list[tuple[float, dict[int, float]] | None] = [None] * batch.num_rows
         if logprob_rows is not None:
-            raw, top_values, top_ids = logprob_rows
-            chosen_lp = raw.gather(1, chosen[batch.logprob_rows].view(-1, 1)).view(-1).tolist()
+            raw, lse, top_values, top_ids = logprob_rows
+            chosen_lp = (raw.gather(1, chosen[batch.logprob_rows].view(-1, 1)).view(-1).float() - lse).tolist()
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
             for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.logprob_counts)):
                 results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
@@ -285,13 +285,21 @@ class Sampler:
             return cpu_kernels.argmax(x)
         return x.argmax(dim=-1)
 
+    LSE_ROWS = 8  # rows widened to fp32 at once for their log-sum-exp (a small, cache-resident temporary)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
-        """Log-softmax of the raw logits (before penalties and temperature), asking rows only."""
-        raw = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
+        """What the raw logits' (before penalties and temperature) log-softmax is needed for, asking
+        rows only: logprob = logit - logsumexp(row). The rows stay in the model's dtype and only
+        their log-sum-exp is computed in fp32, a few rows at a time: a whole [rows, vocab] fp32
+        log-softmax costs more in memory traffic than the arithmetic."""
+        raw = logits[batch.logprob_rows]
+        lse = torch.empty(raw.shape[0], dtype=torch.float32, device=raw.device)
+        for start in range(0, raw.shape[0], Sampler.LSE_ROWS):
+            lse[start:start + Sampler.LSE_ROWS] = torch.logsumexp(raw[start:start + Sampler.LSE_ROWS].float(), dim=-1)
         k = max(batch.logprob_counts)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        return raw, values, ids
+        return raw, lse, values.float() - lse[:, None], ids
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
