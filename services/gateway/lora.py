@@ -78,7 +78,11 @@ class LoraApi:
         self.read_json = read_json  # request -> the parsed body, within the gateway's body limits
         self.deployments = deployments  # shared.deployments.DeploymentWatcher
 
-    async def _admin(self, request: web.Request) -> dict:
+    LOAD_FIELDS = frozenset({"lora_name", "lora_path", "model"})
+    UNLOAD_FIELDS = frozenset({"lora_name", "model"})
+
+    async def _admin(self, request: web.Request, fields: frozenset[str]) -> dict:
+        """The body of an admin request, every field of it one this route honours."""
         key = await self.authenticate(request)
         if not key.admin:
             raise ApiError(403, "loading and unloading LoRA adapters needs an admin key", "permission_error", None,
@@ -86,6 +90,10 @@ class LoraApi:
         body = await self.read_json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise ApiError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}: this route takes "
+                                f"{', '.join(sorted(fields))}", "invalid_request_error", unknown[0])
         return body
 
     def _base(self, body: dict) -> str:
@@ -115,7 +123,7 @@ class LoraApi:
         return int(engine.get("max_lora_rank", EngineArgs.max_lora_rank))
 
     async def load(self, request: web.Request) -> web.Response:
-        body = await self._admin(request)
+        body = await self._admin(request, self.LOAD_FIELDS)
         name, path = body.get("lora_name"), body.get("lora_path")
         why = adapters.check_name(name)
         if why is not None:
@@ -149,7 +157,7 @@ class LoraApi:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
-        body = await self._admin(request)
+        body = await self._admin(request, self.UNLOAD_FIELDS)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "lora_name is required", "invalid_request_error", "lora_name")

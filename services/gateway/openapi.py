@@ -119,8 +119,9 @@ def openapi_spec(server_url: str = "") -> dict:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "Error": _ERROR,
-                "LoraAdapterRequest": {"type": "object", "required": ["lora_name"], "properties": {
-                    "lora_name": {"type": "string"}, "lora_path": {"type": "string", "description": "load only"},
+                "LoraAdapterRequest": {"type": "object", "required": ["lora_name"], "additionalProperties": False,
+                                       "properties": {
+                    "lora_name": {"type": "string"}, "lora_path": {"type": "string", "description": "load only (refused by unload)"},
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {

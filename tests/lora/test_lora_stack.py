@@ -81,6 +81,9 @@ async def test_load_serve_unload_over_http(lora_stack, tiny_model_dir, peft_adap
                             (tmp_path / "missing", "does not exist")):
             status, text = await post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)}, admin)
             assert status == 400 and reason in json.loads(text)["error"]["message"]
+        # A field the route does not honour is refused by name, not ignored (vLLM's load_inplace).
+        status, text = await post("/v1/load_lora_adapter", {**load, "load_inplace": True}, admin)
+        assert status == 400 and json.loads(text)["error"]["param"] == "load_inplace", text
         status, text = await post("/v1/load_lora_adapter", load, admin)
         assert status == 200, text
         assert (await post("/v1/load_lora_adapter", {**load, "lora_path": str(peft_adapters["qv-rs"])}, admin))[0] == 409
