@@ -25,7 +25,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import pyplot, write_results  # noqa: E402
 from services.control.canary import AnalysisConfig, Thresholds, Window, judge  # noqa: E402
 
 
@@ -110,11 +110,9 @@ def main() -> None:
         "false_alarm_rate_upper_95": upper_95(alarms, args.runs),
         "tests_alone_false_alarm_rate": bare_alarms / args.runs, "power_by_slowdown": power,
         "power_by_error_rate": errors, "seconds": round(elapsed, 1)})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     ax.plot([r["slowdown"] for r in power], [r["rolled_back"] for r in power], "o-", label="rolled back")
     ax.plot([r["slowdown"] for r in power], [r["at_first_step"] for r in power], "s--", label="at the first step (5%)")

@@ -34,6 +34,20 @@ async def stream_completion(http, stack, prompt: list[int], max_tokens: int) -> 
     return ttft, final
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (saying so) where matplotlib is
+    not installed: the figures and JSON do not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install '.[bench]'): no PNG")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_results(path: str | Path, args: argparse.Namespace, data: dict) -> None:
     """One JSON per script under bench/results/, with the config it ran with."""
     path = Path(path)

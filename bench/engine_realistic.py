@@ -64,7 +64,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import pyplot, write_results  # noqa: E402
 from bench.runner_protocol import thread_env  # noqa: E402
 from shared.realistic_models import SHAPES, ensure_model  # noqa: E402
 
@@ -560,11 +560,9 @@ PHASE_COLORS = {"forward": "#1f77b4", "sample": "#d62728", "prepare": "#ff7f0e",
 
 
 def plot(shapes: dict, path: Path, threads: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(len(shapes), 4, figsize=(20, 4.2 * len(shapes)), squeeze=False)
     for row, (key, res) in enumerate(shapes.items()):
         runners = list(res["runners"])

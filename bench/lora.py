@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import percentile, write_results  # noqa: E402
+from bench.common import percentile, pyplot, write_results  # noqa: E402
 from services.engine.lora.adapter import MODULE_SLICES, module_shape  # noqa: E402
 from services.engine.model_config import ModelConfig  # noqa: E402
 
@@ -192,12 +192,8 @@ def bench_sim(args) -> dict:
 
 
 def plot(data: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     if "runtime" in data:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp  # noqa: E402
 
-from bench.common import percentile, write_results  # noqa: E402
+from bench.common import percentile, pyplot, write_results  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -209,11 +209,9 @@ def engine_restarts(stack: LocalStack) -> int:
 
 
 def plot(phases: list[Phase], capacity: float, deadline: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for phase in phases:
         if not phase.rate:

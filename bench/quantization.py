@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import pyplot, write_results  # noqa: E402
 from bench.runner_protocol import thread_env  # noqa: E402
 
 ARMS = {  # name -> engine arguments
@@ -252,11 +252,9 @@ def report(arms: dict, kv: dict) -> dict:
 
 
 def plot(arms: dict, kv: dict, path: Path, threads: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     names = list(arms)
     fig, axes = plt.subplots(1, 3 if kv else 2, figsize=(16 if kv else 11, 4.2))
     ax = axes[0]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp  # noqa: E402
 
-from bench.common import percentile, stream_completion, write_results  # noqa: E402
+from bench.common import percentile, stream_completion, pyplot, write_results  # noqa: E402
 from shared import aio  # noqa: E402
 from shared.block_hash import prompt_block_hashes  # noqa: E402
 from shared.localstack import LocalStack  # noqa: E402
@@ -104,12 +104,8 @@ async def run_policy(policy: str, model_dir: Path, args, workload) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

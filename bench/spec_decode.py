@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import pyplot, write_results  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.llm_engine import load_tokenizer  # noqa: E402
 from shared.copying_model import make_copying_model  # noqa: E402
@@ -248,12 +248,8 @@ def report(res: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install '.[bench]'): no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     parts = (("copy_batch1", "batch 1, copy workload"), ("copy_batch32", "batch 32, copy workload"),
              ("random_batch1", "batch 1, random weights"))
