@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import pytest
 
 from shared.localstack import LocalStack, _healthy, free_port
+from shared.store import connect_redis
 
 # Engines small and slowed down a little, so that streams are mid-flight when a fault strikes;
 # a short drain, so that SIGTERM aborts what is still running soon (and teardown is quick).
@@ -163,3 +165,12 @@ class Load:
         ok = sum(r.outcome.ok for r in self.records)
         hung = sum(r.outcome.status == -1 for r in self.records)
         return f"{len(self.records)} requests: {ok} completed, {len(self.records) - ok - hung} errors, {hung} hung"
+
+
+@pytest.fixture
+async def redis(stack):
+    """A client of the module's `stack` store (through its Sentinels where it has them, with the
+    services' retries across restarts)."""
+    r = connect_redis(stack.infra.redis_url)
+    yield r
+    await r.aclose()

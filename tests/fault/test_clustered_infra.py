@@ -14,7 +14,6 @@ import pytest
 
 from services.gateway.auth import create_key
 from shared import keys, protocol
-from shared.store import connect_redis
 from tests.fault.conftest import Load, make_stack, metric, stream_completion
 
 MODEL = "tiny-llama"
@@ -27,13 +26,6 @@ def stack(tiny_model_dir, tmp_path_factory):
                    redis_replicas=1)
     yield s
     s.stop()
-
-
-@pytest.fixture
-async def redis(stack):
-    r = connect_redis(stack.infra.redis_url)  # through the Sentinels, as the services connect
-    yield r
-    await r.aclose()
 
 
 def body(prompt: str, max_tokens: int = 48) -> dict:

@@ -13,7 +13,6 @@ import pytest
 from services.gateway.auth import hash_key
 from shared import keys, protocol
 from shared.bus import Bus
-from shared.store import connect_redis
 from tests.fault.conftest import Load, make_stack, metric, start_gateway, stream_completion
 
 MODEL = "tiny-llama"
@@ -25,13 +24,6 @@ def stack(tiny_model_dir, tmp_path_factory):
     _, s.second_gateway = start_gateway(s, "gateway-1")
     yield s
     s.stop()
-
-
-@pytest.fixture
-async def redis(stack):
-    r = connect_redis(stack.infra.redis_url)  # retries across the restarts
-    yield r
-    await r.aclose()
 
 
 def infra_process(stack, name: str):

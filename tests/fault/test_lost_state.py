@@ -13,7 +13,6 @@ import pytest
 
 from services.gateway.auth import hash_key
 from shared import keys
-from shared.store import connect_redis
 from tests.fault.conftest import Load, make_stack, metric, stream_completion
 
 MODEL = "tiny-llama"
@@ -30,13 +29,6 @@ def stack(tiny_model_dir, tmp_path_factory):
     s.wait_serving(60)
     yield s
     s.stop()
-
-
-@pytest.fixture
-async def redis(stack):
-    r = connect_redis(stack.infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 async def replicas(redis) -> set[str]:

@@ -13,7 +13,6 @@ from services.gateway.auth import create_key, hash_key
 from services.gateway.service import GatewayConfig, GatewayService
 from shared import keys, protocol
 from shared.bus import Bus
-from shared.store import connect_redis
 from tests.fault.conftest import make_stack, start_gateway, stream_completion
 
 MODEL = "tiny-llama"
@@ -32,13 +31,6 @@ def stack(tiny_model_dir, tmp_path_factory):
     _, s.second_gateway = start_gateway(s, "gateway-1")
     yield s
     s.stop()
-
-
-@pytest.fixture
-async def redis(stack):
-    r = connect_redis(stack.infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 def routes() -> list[tuple[str, str, str]]:
