@@ -332,7 +332,7 @@ def test_strata_status_and_diagnose_read_the_containers(stack, tmp_path):
 
 
 PROMPTS = [f"Chapter {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} fox number {i} said" for i in range(16)]
-MAX_TOKENS = 128
+MAX_TOKENS = 512  # long enough that the victim still streams when `docker kill` lands, however fast the runtime
 
 
 async def stream_all(stack: Stack, on_chunk=None) -> list[dict]:
