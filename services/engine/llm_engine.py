@@ -233,8 +233,8 @@ class LLMEngine:
             self._detok_s += time.perf_counter() - t
             if stopped:
                 reason = "stop"
-        if seq.grammar is not None and advance_grammar(seq, token) and reason is None:
-            reason = "stop"  # the grammar has ended: nothing may follow
+        if reason is None and seq.grammar is not None:
+            reason = advance_grammar(seq, token)  # "stop" once the grammar has ended
         if reason is None:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 reason = "stop"

@@ -30,7 +30,10 @@ import torch
 import xgrammar as xgr
 
 from services.engine.sampling_params import InvalidRequestError
+from shared.logging import get_logger
 from shared.protocol import StructuredSpec
+
+log = get_logger()
 
 CACHE_ENTRIES = 256  # compiled grammars kept (LRU); a JSON schema's is ~100 KB to a few MB
 # JSON output: whitespace between tokens is allowed (as vLLM's default) but bounded, so a model
@@ -146,10 +149,13 @@ def apply_masks(logits: torch.Tensor, masks: StepMasks, vocab_size: int) -> torc
     return logits
 
 
-def advance(seq, token: int) -> bool:
-    """Move seq's matcher on by its new token; True when its grammar has ended (nothing more
-    may follow)."""
+def advance(seq, token: int) -> str | None:
+    """Move seq's matcher on by its new token: "stop" once its grammar has ended (nothing more
+    may follow), "abort" at a dead end, else None."""
     m = seq.grammar
-    if not m.accept_token(token):  # the mask allowed it, so this is a bug, not bad input
-        raise RuntimeError(f"{seq.request_id}: token {token} rejected by its grammar after masking")
-    return m.is_terminated()
+    if not m.accept_token(token):
+        # Only when the mask allowed nothing (a grammar needing text no token spells): the
+        # request ends, the batch goes on.
+        log.warning("structured output reached a dead end", request_id=seq.request_id, token=token)
+        return "abort"
+    return "stop" if m.is_terminated() else None
