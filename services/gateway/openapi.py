@@ -37,7 +37,7 @@ _SAMPLING = {
             "json_schema": {"type": "object", "required": ["schema"], "properties": {
                 "name": {"type": "string"}, "description": {"type": "string"},
                 "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}]},
-    "structured_outputs": {"type": "object", "additionalProperties": False, "maxProperties": 1,
+    "structured_outputs": {"type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
                            "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object",
                            "properties": {"json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
                                           "choice": {"type": "array", "minItems": 1,
@@ -62,6 +62,14 @@ def _only_with(field: str, condition: dict) -> dict:
     """`field` may be present only when `condition` (properties, with their required names) holds."""
     return {"anyOf": [{"not": {"required": [field]}}, condition]}
 
+
+# At most one structured-output constraint per request (response_format "text" is none).
+_CONSTRAINTS = [{"required": [name]} for name in ("structured_outputs", "guided_json", "guided_regex",
+                                                  "guided_choice", "guided_grammar")] + [
+    {"required": ["response_format"],
+     "properties": {"response_format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}]
+_ONE_CONSTRAINT = {"not": {"anyOf": [{"allOf": [a, b]} for i, a in enumerate(_CONSTRAINTS)
+                                     for b in _CONSTRAINTS[i + 1:]]}}
 
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
@@ -145,7 +153,7 @@ def openapi_spec(server_url: str = "") -> dict:
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {
-                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM],
+                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
@@ -161,7 +169,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         **_SAMPLING}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM,
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
                     "properties": {

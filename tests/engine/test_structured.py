@@ -232,3 +232,15 @@ def test_the_torch_mask_path_equals_the_xgrammar_kernel(llm):
     torch_path = apply_masks(logits.to(torch.bfloat16), StepMasks(masks.rows, masks.bitmask), vocab)
     assert torch.equal(kernel.isinf(), torch_path.isinf())
     assert not kernel[0].isinf().any() and 0 < int((~kernel[2].isinf()).sum()) < vocab
+
+
+def test_the_spec_on_the_wire():
+    from shared.protocol import GenerateRequest, ProtocolError, SamplingSpec, decode, encode
+
+    req = GenerateRequest("r", "m", "reply", prompt="x",
+                          sampling=SamplingSpec(structured=StructuredSpec(choice=["a", "b"])))
+    back = decode(GenerateRequest, encode(req))
+    assert back.sampling.structured == StructuredSpec(choice=["a", "b"]) and back.sampling.structured.kind == "choice"
+    for bad in ({"regex": "a", "choice": ["a"]}, {}, {"choice": []}, {"json_object": False}):
+        with pytest.raises(ProtocolError):
+            GenerateRequest.from_dict({**req.to_dict(), "sampling": {"structured": bad}})
