@@ -3,10 +3,9 @@
 
 - `StructuredOutputs.compile(spec)` turns a spec into xgrammar's CompiledGrammar, cached by spec
   (LRU). It is the slow part (milliseconds for a small schema on a 4k vocabulary, far more for
-  a large schema on a 150k one), so
-  callers run it off the step loop first (the engine service in an executor, the offline LLM on
-  the caller's thread); the step loop only ever takes it from the cache. A spec that cannot be
-  compiled raises InvalidRequestError with xgrammar's reason.
+  a large schema on a 150k one), so callers run it off the step loop first (the engine service
+  in an executor, the offline LLM on the caller's thread); the step loop only ever takes it from
+  the cache. A spec that cannot be compiled raises InvalidRequestError with xgrammar's reason.
 - `matcher(spec, replay)`: one GrammarMatcher per sequence; `replay` (the tokens a migrated
   stream already delivered, protocol.Resume) is fed in first, so the stream continues in the
   grammar state it left.
