@@ -13,11 +13,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(int(q * len(values)), len(values) - 1)] if values else 0.0
 
 
-async def stream_completion(http, stack, prompt: list[int], max_tokens: int) -> tuple[float, dict]:
-    """POST a streaming completion through the stack's gateway; returns (seconds to the first
-    token, the final usage event: usage and the strata extension)."""
+async def stream_completion(http, stack, prompt: list[int], max_tokens: int, extra: dict | None = None
+                            ) -> tuple[float, dict]:
+    """POST a streaming completion through the stack's gateway (`extra`: more body fields);
+    returns (seconds to the first token, the final usage event: usage and the strata extension)."""
     body = {"model": stack.deployment, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     ttft, final = None, {}
     async with http.post(stack.base_url + "/v1/completions", json=body,

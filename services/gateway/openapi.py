@@ -29,6 +29,26 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    # Structured outputs (services.gateway.structured_outputs): at most one constraint per request.
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}]},
+    "structured_outputs": {"type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
+                           "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object",
+                           "properties": {"json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
+                                          "choice": {"type": "array", "minItems": 1,
+                                                     "items": {"type": "string", "minLength": 1}},
+                                          "grammar": {"type": "string", "minLength": 1},
+                                          "json_object": {"const": True}}},
+    "guided_json": {"type": "object", "description": "vLLM's legacy structured_outputs.json"},
+    "guided_regex": {"type": "string", "minLength": 1},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    "guided_grammar": {"type": "string", "minLength": 1},
+    "guided_decoding_backend": {"enum": ["auto", "xgrammar"]},
     "n": {"type": "integer", "enum": [1]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
@@ -42,6 +62,14 @@ def _only_with(field: str, condition: dict) -> dict:
     """`field` may be present only when `condition` (properties, with their required names) holds."""
     return {"anyOf": [{"not": {"required": [field]}}, condition]}
 
+
+# At most one structured-output constraint per request (response_format "text" is none).
+_CONSTRAINTS = [{"required": [name]} for name in ("structured_outputs", "guided_json", "guided_regex",
+                                                  "guided_choice", "guided_grammar")] + [
+    {"required": ["response_format"],
+     "properties": {"response_format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}]
+_ONE_CONSTRAINT = {"not": {"anyOf": [{"allOf": [a, b]} for i, a in enumerate(_CONSTRAINTS)
+                                     for b in _CONSTRAINTS[i + 1:]]}}
 
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
@@ -125,7 +153,7 @@ def openapi_spec(server_url: str = "") -> dict:
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {
-                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM],
+                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
@@ -141,7 +169,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         **_SAMPLING}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM,
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
                     "properties": {
