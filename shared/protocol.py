@@ -317,6 +317,32 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 @dataclass
+class StructuredSpec(Message):
+    """Structured output (vLLM's `structured_outputs`): exactly one constraint, which the engine
+    compiles to a grammar and enforces with a token mask at every step."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's / GBNF dialect)
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        set_ = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ProtocolError(f"StructuredSpec: exactly one of {', '.join(self.KINDS)} must be set, got "
+                                f"{set_ or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ProtocolError("StructuredSpec: choice must be a non-empty list of non-empty strings")
+
+
+@dataclass
 class SamplingSpec(Message):
     """Sampling parameters on the wire; the engine validates their ranges. Absent (None)
     temperature, top_p, top_k, min_p and repetition_penalty take the served model's
@@ -335,6 +361,8 @@ class SamplingSpec(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    # Structured outputs (issue 18): the output follows a JSON schema, regex, choice or grammar.
+    structured: StructuredSpec | None = None
 
 
 @dataclass
