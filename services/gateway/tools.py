@@ -63,7 +63,7 @@ def parse_tools(body: dict, sampling: SamplingSpec) -> ToolRequest | None:
         return None
     if not isinstance(tools, list) or len(tools) > 128:
         raise bad("'tools' must be a list of at most 128 functions", "tools")
-    functions = {}
+    functions: dict[str, list[dict]] = {}  # name -> parameters (a name given twice: either definition)
     clean = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -72,8 +72,6 @@ def parse_tools(body: dict, sampling: SamplingSpec) -> ToolRequest | None:
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
             raise bad(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'", "tools")
-        if name in functions:
-            raise bad(f"tools[{i}]: a second function named {name!r}", "tools")
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise bad(f"tools[{i}].function.description must be a string", "tools")
@@ -92,7 +90,7 @@ def parse_tools(body: dict, sampling: SamplingSpec) -> ToolRequest | None:
         unknown = set(function) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise bad(f"tools[{i}].function has unknown fields: {', '.join(sorted(unknown))}", "tools")
-        functions[name] = parameters or ANY_OBJECT
+        functions.setdefault(name, []).append(parameters or ANY_OBJECT)
         clean.append({"type": "function", "function": {k: function[k] for k in ("name", "description", "parameters")
                                                        if function.get(k) is not None}})
     request = ToolRequest(clean, "auto", parallel=parallel)
@@ -111,19 +109,22 @@ def parse_tools(body: dict, sampling: SamplingSpec) -> ToolRequest | None:
         if sampling.structured is not None:
             raise bad(f"tool_choice {request.choice!r} is enforced by structured output: it cannot be combined "
                       "with response_format or structured_outputs", "tool_choice")
-        schema = (functions[request.function] if request.choice == "function"
+        schema = (_one_of(functions[request.function]) if request.choice == "function"
                   else required_schema(functions, parallel))
         sampling.structured = StructuredSpec(json=json.dumps(schema))
     return request
 
 
-def required_schema(functions: dict[str, dict], parallel: bool) -> dict:
+def _one_of(schemas: list[dict]) -> dict:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def required_schema(functions: dict[str, list[dict]], parallel: bool) -> dict:
     """tool_choice "required": an array of calls, each one of the functions with its parameters."""
     calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
               "required": ["name", "parameters"], "additionalProperties": False}
-             for name, parameters in functions.items()]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+             for name, definitions in functions.items() for parameters in definitions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": _one_of(calls)}
     if not parallel:
         schema["maxItems"] = 1
     return schema

@@ -127,7 +127,7 @@ def test_required_and_named(tokenizer):
 
 
 def test_required_schema_accepts_only_the_functions_calls():
-    functions = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    functions = {t["function"]["name"]: [t["function"]["parameters"]] for t in TOOLS}
     schema = required_schema(functions, parallel=True)
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
                          {"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
