@@ -147,6 +147,8 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.engine.inputs.process(prompt, params)
+        if params.structured is not None and resumed[0]:  # its replay must not fail on the step loop
+            self.engine.structured.matcher(params.structured, ids[len(ids) - resumed[0]:])
         if lora_name is not None:
             self.engine.acquire_lora(lora_name)
         stream = sink if sink is not None else RequestStream(request_id)

@@ -8,8 +8,9 @@ from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, config: ModelConfig, max_model_len: int,
-                 generation_defaults: dict[str, float | int] | None = None):
+                 generation_defaults: dict[str, float | int] | None = None, structured=None):
         self.tokenizer = tokenizer
+        self.structured = structured  # StructuredOutputs: compiles a request's grammar (cached)
         self.config = config
         self.max_model_len = max_model_len
         self.generation_defaults = generation_defaults or {}  # fill a request's unset fields
@@ -41,4 +42,6 @@ class InputProcessor:
                 f"length is {self.max_model_len} tokens", "prompt")
         params = params.resolved(self.generation_defaults)
         params.validate(self.config.vocab_size)
+        if params.structured is not None:
+            self.structured.compile(params.structured)  # InvalidRequestError if it cannot be
         return text, ids, params

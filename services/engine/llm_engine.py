@@ -15,6 +15,7 @@ from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
+from services.engine.structured import StructuredOutputs, advance as advance_grammar
 from shared.block_hash import adapter_root_hash
 
 
@@ -47,8 +48,12 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings,
                                  self.model_config.sliding_window or self.model_config.max_position_embeddings,
                                  self.runner.num_blocks * self.args.block_size)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                            self.model_config.eos_token_ids)
+        self.runner.sampler.structured = self.structured
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
-                                     self.model_config.generation_defaults(self.args.generation_config))
+                                     self.model_config.generation_defaults(self.args.generation_config),
+                                     self.structured)
         # streaming=False (offline use): step() returns only finished requests, and text is decoded
         # once at the end unless stop strings need it incrementally.
         self.streaming = streaming
@@ -103,9 +108,18 @@ class LLMEngine:
         params = params.resolved(self.inputs.generation_defaults)  # a no-op once processed
         generated, text_chars = resumed
         prompt_ids = ids[:len(ids) - generated]
+        grammar = None
+        if params.structured is not None:  # compiled already (InputProcessor): a cache hit
+            try:
+                grammar = self.structured.matcher(params.structured, ids[len(prompt_ids):])
+            except InvalidRequestError:
+                if lora_name is not None:
+                    self.lora.release(lora_name)
+                raise
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
+        seq.grammar = grammar  # a resumed stream's: in the state its delivered tokens left it
         if lora_name is not None:
             seq.lora_name, seq.hash_root = lora_name, adapter_root_hash(lora_name)
         if generated:
@@ -219,6 +233,8 @@ class LLMEngine:
             self._detok_s += time.perf_counter() - t
             if stopped:
                 reason = "stop"
+        if seq.grammar is not None and advance_grammar(seq, token) and reason is None:
+            reason = "stop"  # the grammar has ended: nothing may follow
         if reason is None:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 reason = "stop"

@@ -30,6 +30,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from services.engine.sequence import Sequence
+from services.engine.structured import apply_masks as structured_masks
 
 NEG_INF = float("-inf")
 MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
@@ -102,6 +103,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
+    grammar_masks: object = None  # structured outputs: structured.StepMasks, or None
 
 
 def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
@@ -121,6 +123,7 @@ class Sampler:
         self.generator = torch.Generator()  # unseeded rows; seeded once so runs are repeatable
         self.generator.manual_seed(0)
         self._f32_buffer: torch.Tensor | None = None
+        self.structured = None  # structured.StructuredOutputs: token masks of structured rows
 
     # ---- prepare: host, once per step --------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -134,6 +137,8 @@ class Sampler:
         greedy = [p.greedy for p in params]
         sampled = [i for i, g in enumerate(greedy) if not g]
         batch.all_greedy = not sampled
+        if self.structured is not None:
+            batch.grammar_masks = self.structured.prepare_masks(seqs, dev)
         penalized = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalized:
             batch.penalties = self._prepare_penalties(seqs, penalized)
@@ -202,6 +207,8 @@ class Sampler:
         candidates); penalties and whole-row sampling work on an fp32 copy."""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
+        if batch.grammar_masks is not None:  # after the raw logprobs, before everything else
+            logits = structured_masks(logits, batch.grammar_masks, self.vocab_size)
         if batch.penalties is not None:
             logits = self.apply_penalties(self._fp32(logits), batch)
         if batch.all_greedy:
@@ -235,6 +242,8 @@ class Sampler:
         the argmax. Dense fp32 [rows, vocab] (`logits` is left as it is): speculative decoding
         compares a target's and a draft's distributions with it."""
         x = logits[:, :self.vocab_size].to(torch.float32, copy=True)
+        if batch.grammar_masks is not None:
+            x = structured_masks(x, batch.grammar_masks, self.vocab_size)
         if batch.penalties is not None:
             x = self.apply_penalties(x, batch)
         out = torch.zeros_like(x)

@@ -40,6 +40,8 @@ class SamplingParams:
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (services.engine.structured): shared.protocol.StructuredSpec, or None.
+    structured: object = None
 
     MAX_LOGPROBS = 20
 

@@ -50,6 +50,7 @@ class Sequence:
         self.spec_state = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.grammar = None  # structured outputs: its xgrammar GrammarMatcher (services.engine.structured)
 
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -71,7 +71,8 @@ def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
         min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty)
+        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
+        structured=spec.structured)
 
 
 class EngineWorker:
@@ -219,6 +220,8 @@ class EngineWorker:
             return
         if req.lora is not None and not await self._adapter_ready(req, raw):
             return
+        if req.sampling.structured is not None and not await self._grammar_ready(req, raw):
+            return
         sink = ChunkSink(self, req, arrival)
         try:
             resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
@@ -237,6 +240,17 @@ class EngineWorker:
         if raw.reply:
             await self.bus.publish(raw.reply, ack)
         await self.bus.publish(protocol.accepted(req.reply_to), ack)
+
+    async def _grammar_ready(self, req: GenerateRequest, raw) -> bool:
+        """The request's structured-output grammar compiled (off the event loop and the step loop;
+        cached, so add_request finds it); a spec that does not compile refuses the request."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.engine.structured.compile,
+                                                             req.sampling.structured)
+        except InvalidRequestError as exc:
+            await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
+            return False
+        return True
 
     async def _context_error(self, req: GenerateRequest) -> str | None:
         """Why the prompt and max_tokens do not fit this model's context, if they do not (a text

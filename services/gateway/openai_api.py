@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shared.layers import by_component, layer_timings
+from services.gateway.structured_outputs import parse_structured
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=optional_float("repetition_penalty", 0.0, 10.0, lo_open=True),
+        structured=parse_structured(body),
     )
 
 

@@ -29,6 +29,26 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    # Structured outputs (services.gateway.structured_outputs): at most one constraint per request.
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}]},
+    "structured_outputs": {"type": "object", "additionalProperties": False, "maxProperties": 1,
+                           "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object",
+                           "properties": {"json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
+                                          "choice": {"type": "array", "minItems": 1,
+                                                     "items": {"type": "string", "minLength": 1}},
+                                          "grammar": {"type": "string", "minLength": 1},
+                                          "json_object": {"const": True}}},
+    "guided_json": {"type": "object", "description": "vLLM's legacy structured_outputs.json"},
+    "guided_regex": {"type": "string", "minLength": 1},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    "guided_grammar": {"type": "string", "minLength": 1},
+    "guided_decoding_backend": {"enum": ["auto", "xgrammar"]},
     "n": {"type": "integer", "enum": [1]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},

@@ -93,8 +93,9 @@ class SpeculativeDecoder:
 
     # ---- before the forward ----------------------------------------------------------------
     def propose(self, batch: ScheduledBatch, max_model_len: int) -> None:
+        # Structured sequences never draft: each position's token mask follows from the tokens before it.
         decoding = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                    if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+                    if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and seq.grammar is None]
         plan = self._plan = _StepPlan(len(decoding), decode_only=len(decoding) == len(batch.seqs))
         rooms = {}
         for i in decoding:
