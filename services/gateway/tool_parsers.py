@@ -179,7 +179,7 @@ class _JsonSequence(ToolParser):
             if not self.opened:
                 if not rest.startswith(self.OPEN):
                     return events
-                rest, self.opened = rest[len(self.OPEN):], True
+                rest, self.opened = rest[len(self.OPEN):].lstrip(), True
             while rest and rest[0] in self.SEPARATORS:
                 rest = rest[1:].lstrip()
             if self.CLOSE and rest.startswith(self.CLOSE):

@@ -13,6 +13,7 @@ from services.gateway.openai_api import ApiError, parse_chat
 from services.gateway.tool_parsers import (CallDelta, Content, HermesParser, Llama3JsonParser, NamedCall,
                                            RequiredCalls, UnknownToolParser, assemble, delta)
 from services.gateway.tools import required_schema
+from shared.deployments import DeploymentSpec
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city"], "additionalProperties": False}
@@ -116,6 +117,8 @@ def test_llama3_json_plain_text_streams_through(tokenizer):
 def test_required_and_named(tokenizer):
     text = '[{"name": "get_weather", "parameters": {"city": "Lima"}}, {"name": "get_time", "parameters": {"zone": "PET"}}]'
     reply, _ = read(RequiredCalls, tokenizer, text)
+    spaced, _ = read(RequiredCalls, tokenizer, text.replace("[", " [\n  ").replace(", {", " ,\n {"))  # JSON's whitespace
+    assert spaced.content is None and len(spaced.tool_calls) == 2
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls] == [
         ("get_weather", {"city": "Lima"}), ("get_time", {"zone": "PET"})]
     parser = NamedCall("get_weather")
@@ -187,4 +190,5 @@ def test_unknown_parser_is_refused_naming_it():
     with pytest.raises(SpecError) as err:
         validate({"name": "d", "model": "/m", "tool_call_parser": "mistral_v9"}, check_model=False)
     assert any(field == "tool_call_parser" and "mistral_v9" in reason for field, reason in err.value.errors)
-    assert validate({"name": "d", "model": "/m", "tool_call_parser": "hermes"}, check_model=False).tool_call_parser == "hermes"
+    spec = validate({"name": "d", "model": "/m", "tool_call_parser": "hermes"}, check_model=False)
+    assert DeploymentSpec.from_dict(json.loads(spec.to_json())).tool_call_parser == "hermes"  # as stored
