@@ -7,7 +7,6 @@ hermes format comes from the model under a regex constraint (structured_outputs)
 parser reads what the engine really streamed. A second gateway, on the same bus and engine,
 serves the model with `--tool-call-parser hermes`; the package's gateway has no parser."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -34,9 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
-# Part 1 of issue 18 (structured outputs) builds the engine side of SamplingSpec.structured.
-needs_structured = pytest.mark.skipif(importlib.util.find_spec("services.engine.structured") is None,
-                                      reason="needs the engine's structured outputs (issue 18 part 1)")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +155,6 @@ def test_an_unknown_parser_flag_stops_the_gateway_naming_it(api_stack, tiny_mode
     assert proc.returncode == 2 and "mistral_v9" in proc.stderr and "hermes" in proc.stderr
 
 
-@needs_structured
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_reads_a_hermes_reply_into_tool_calls(tools_client, stream):
     hermes = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
@@ -173,7 +168,6 @@ def test_auto_reads_a_hermes_reply_into_tool_calls(tools_client, stream):
     assert finish == "tool_calls"
 
 
-@needs_structured
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_tool_choice_gives_arguments_that_validate(tools_client, stream):
     for seed in range(3):
@@ -185,7 +179,6 @@ def test_named_tool_choice_gives_arguments_that_validate(tools_client, stream):
         assert finish == "tool_calls"
 
 
-@needs_structured
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_gives_calls_that_validate(tools_client, stream):
     for seed, parallel in ((0, True), (1, True), (2, False)):
