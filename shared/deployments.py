@@ -140,6 +140,7 @@ class DeploymentSpec:
     scaling: Scaling = field(default_factory=Scaling)
     placement: Placement = field(default_factory=Placement)
     limits: Limits = field(default_factory=Limits)
+    tool_call_parser: str = ""  # how tool_choice "auto" reads calls (services.gateway.tool_parsers); "": none
     # LoRA adapters [{name, path}]: live state, applied to running replicas (shared.adapters);
     # a change of adapters alone makes no new revision.
     adapters: list[dict[str, str]] = field(default_factory=list)
@@ -166,7 +167,7 @@ class DeploymentSpec:
                    slo=Slo(**data.get("slo", {})), routing=dict(data.get("routing", {"policy": "kv_aware"})),
                    canary=dict(data.get("canary", {"weight": 0})), scaling=Scaling(**data.get("scaling", {})),
                    placement=Placement(**data.get("placement", {})),
-                   limits=Limits(**data.get("limits", {})),
+                   limits=Limits(**data.get("limits", {})), tool_call_parser=data.get("tool_call_parser", ""),
                    adapters=[dict(a) for a in data.get("adapters", [])])
 
     def without_adapters(self) -> dict[str, Any]:

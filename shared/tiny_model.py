@@ -15,9 +15,18 @@ CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 BOS, EOS, PAD, END_OF_TURN = "<s>", "</s>", "<pad>", "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, END_OF_TURN, "<|system|>", "<|user|>", "<|assistant|>"]
+# Tools are rendered as Hermes / Qwen2.5 templates do (a system turn listing them, calls in
+# <tool_call> tags), so the `hermes` tool call parser reads this model's calls; without tools
+# the template renders exactly as it did before tools existed.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\nYou may call one or more functions. "
+    "Function signatures:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "For each call, return a JSON object with the function name and arguments within <tool_call></tool_call> "
+    "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>\n"
+    "{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": {{ call['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -17,6 +17,7 @@ at once, so a bad file is fixed in one go:
     scaling: {target_concurrency: 16, scale_down_delay_s: 30, scale_to_zero_after_s: 120}
     placement: {pools: [spot-east, gcp-west], prefer: cheapest, min_pools: 2}   # capacity pools
     limits: {default_max_tokens: 1024}  # chat requests that give no max_tokens
+    tool_call_parser: hermes    # tool_choice "auto" reads calls so (services.gateway.tool_parsers)
     adapters: [{name: sql, path: /adapters/sql}]  # LoRA adapters (needs engine.enable_lora), applied live
 
 Pure: no I/O except reading the model's config.json to check its architecture (and each
@@ -36,6 +37,7 @@ from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
 from services.engine.quantization import support as quantization_support
 from shared.deployments import NAME_RE, DeploymentSpec, Limits, Replicas, Scaling, Slo, parse_placement
+from services.gateway.tool_parsers import TOOL_PARSERS
 from services.scheduler.policy import POLICIES
 
 
@@ -190,6 +192,12 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     if limits.default_max_tokens < 1:
         errors.append(("limits.default_max_tokens", "must be at least 1"))
 
+    tool_call_parser = data.get("tool_call_parser", "")
+    if tool_call_parser and (not isinstance(tool_call_parser, str) or tool_call_parser not in TOOL_PARSERS):
+        errors.append(("tool_call_parser", f"unknown tool call parser {str(tool_call_parser)[:64]!r} "
+                                           f"(known: {', '.join(TOOL_PARSERS)})"))
+        tool_call_parser = ""
+
     routing = data.get("routing", {"policy": "kv_aware"})
     if not isinstance(routing, dict) or set(routing) - {"policy"}:
         errors.append(("routing", "must be a mapping with one field, policy"))
@@ -207,7 +215,7 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
         raise SpecError(errors)
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement,
-                          limits=limits, adapters=adapter_list)
+                          limits=limits, tool_call_parser=tool_call_parser, adapters=adapter_list)
 
 
 def _check_precision(engine: dict, errors: list) -> None:

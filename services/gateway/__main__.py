@@ -8,6 +8,7 @@ import socket
 import sys
 
 from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.tool_parsers import TOOL_PARSERS, UnknownToolParser, parser_class
 from shared import aio, telemetry
 from shared.http_limits import HttpLimits
 from shared.logging import configure_logging
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests served at once; past it new ones get 503 with Retry-After before any work")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="max_tokens of chat requests that give none (a deployment's limits.default_max_tokens wins)")
+    p.add_argument("--tool-call-parser", action="append", default=[], metavar="[MODEL=]PARSER",
+                   help=f"how tool_choice 'auto' reads tool calls from the output of the models served here "
+                        f"({', '.join(TOOL_PARSERS)}): one for every --serve model, or MODEL=PARSER for one "
+                        f"(repeatable); a deployment's spec has its own tool_call_parser")
     limits = p.add_argument_group("HTTP limits")
     defaults = HttpLimits()
     limits.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
@@ -45,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_tool_call_parsers(values: list[str]) -> dict[str, str]:
+    """--tool-call-parser values: served name -> parser ("" for every model)."""
+    out: dict[str, str] = {}
+    for value in values:
+        model, _, parser = value.rpartition("=")
+        parser_class(parser)  # raises UnknownToolParser naming it
+        if model in out:
+            raise ValueError(f"two parsers for {model or 'every model'}")
+        out[model] = parser
+    return out
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings.from_args(args)
@@ -57,13 +74,18 @@ def main(argv=None) -> int:
     if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1:
         print("--max-inflight, --default-max-tokens and --max-connections must be at least 1", file=sys.stderr)
         return 2
+    try:
+        tool_call_parsers = parse_tool_call_parsers(args.tool_call_parser)
+    except (UnknownToolParser, ValueError) as exc:
+        print(f"--tool-call-parser: {exc}", file=sys.stderr)
+        return 2
     http = HttpLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       write_timeout=args.write_timeout, keepalive_timeout=args.keepalive_timeout,
                       max_connections=args.max_connections)
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region,
                         max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens, http=http,
-                        nats_auth=settings.nats_auth())
+                        nats_auth=settings.nats_auth(), tool_call_parsers=tool_call_parsers)
 
     aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
                                aio.serve_until_signalled(GatewayService(cfg)), settings.nats_auth()))

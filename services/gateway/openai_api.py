@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.layers import by_component, layer_timings
 from services.gateway.structured_outputs import parse_structured
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
+
+if TYPE_CHECKING:
+    from services.gateway.tools import ToolRequest
 
 
 class ApiError(Exception):
@@ -95,6 +98,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top-n to return (None: no logprobs)
     extra: dict = field(default_factory=dict)
+    tools: "ToolRequest | None" = None  # chat tool calling (services.gateway.tools)
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -215,6 +219,8 @@ def parse_completion(body: Any) -> ParsedRequest:
 
 
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
+    from services.gateway.tools import message_tool_fields, parse_tools  # (tools.py imports this module)
+
     model, stream, include_usage = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -235,13 +241,15 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
             content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content,
+                      **message_tool_fields(m, i)})
     logprobs = None
     if body.get("logprobs"):
         logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed.tools = parse_tools(body, parsed.sampling)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
     return parsed, clean

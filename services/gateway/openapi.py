@@ -57,6 +57,30 @@ _SAMPLING = {
 }
 _MODEL = {"type": "string", "minLength": 1}
 
+# Tool calling (services.gateway.tools). The schema says less than the gateway accepts where a
+# static schema cannot say it: any JSON schema as parameters (here: objects of typed
+# properties), and a named tool_choice ({"type": "function", "function": {"name"}}), which must
+# name one of the tools.
+_JSON_TYPE = {"enum": ["string", "integer", "number", "boolean", "array", "object", "null"]}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON schema of the arguments", "properties": {
+            "type": {"const": "object"},
+            "properties": {"type": "object", "additionalProperties": {
+                "type": "object", "properties": {"type": _JSON_TYPE, "description": {"type": "string"}}}},
+            "required": {"type": "array", "items": {"type": "string"}}}},
+        "strict": {"type": "boolean"}}}}}
+_TOOLS = {
+    "tools": {"type": "array", "items": _TOOL, "minItems": 1, "maxItems": 128},
+    "tool_choice": {"enum": ["none", "auto", "required"],
+                    "description": "or {'type': 'function', 'function': {'name': ...}} naming one of the tools; "
+                                   "'auto' (the default with tools) needs the model's tool_call_parser"},
+    "parallel_tool_calls": {"type": "boolean"},
+}
+
 
 def _only_with(field: str, condition: dict) -> dict:
     """`field` may be present only when `condition` (properties, with their required names) holds."""
@@ -73,6 +97,7 @@ _ONE_CONSTRAINT = {"not": {"anyOf": [{"allOf": [a, b]} for i, a in enumerate(_CO
 
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
+_TOOL_CHOICE_NEEDS_TOOLS = _only_with("tool_choice", {"required": ["tools"]})
 
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
@@ -169,7 +194,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         **_SAMPLING}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT,
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _TOOL_CHOICE_NEEDS_TOOLS,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
                     "properties": {
@@ -183,6 +208,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
                         "logprobs": {"type": "boolean"},
                         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        **_TOOLS,
                         **_SAMPLING}},
             },
         },

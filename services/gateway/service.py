@@ -25,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
-from services.gateway import tracing
+from services.gateway import tools, tracing
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.lora import AdapterCatalog, LoraApi
@@ -63,6 +63,9 @@ class GatewayConfig:
     scheduler_wait: float = 10.0  # no scheduler answers (this gateway or they just started): retry this long
     max_inflight: int = 256  # requests served at once; past it: 503 with Retry-After, before any work
     default_max_tokens: int = 1024  # chat requests without max_tokens (a deployment's limits override it)
+    # Served name -> tool call parser (services.gateway.tool_parsers) of the models given here;
+    # "" names every one of them. A deployment's own comes from its spec.
+    tool_call_parsers: dict[str, str] = field(default_factory=dict)
     http: HttpLimits = field(default_factory=HttpLimits)
     nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
@@ -75,18 +78,19 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     created: int
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
 
-def load_served_model(name: str, path: str) -> ServedModel:
+def load_served_model(name: str, path: str, tool_call_parser: str | None = None) -> ServedModel:
     from transformers import AutoTokenizer
 
     config = json.loads((Path(path) / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return ServedModel(name, Path(path), tokenizer, int(config.get("max_position_embeddings", 2048)),
-                       int(config["vocab_size"]), int(time.time()))
+                       int(config["vocab_size"]), int(time.time()), tool_call_parser)
 
 
 class GatewayMetrics:
@@ -160,8 +164,10 @@ class GatewayService:
         structlog.contextvars.bind_contextvars(gateway_id=self.cfg.gateway_id)
         loop = asyncio.get_running_loop()
         names = self.cfg.served_names or [protocol.served_model_name(p) for p in self.cfg.models]
+        parsers = self.cfg.tool_call_parsers
         for name, path in zip(names, self.cfg.models):
-            self.models[name] = await loop.run_in_executor(None, load_served_model, name, path)
+            self.models[name] = await loop.run_in_executor(None, load_served_model, name, path,
+                                                           parsers.get(name, parsers.get("")))
         self._static = set(self.models)
         self.bus = await Bus.connect(self.cfg.nats_url, f"gateway-{self.cfg.gateway_id}", auth=self.cfg.nats_auth)
         self._inbox = f"{self.bus.inbox_prefix}.gw.{self.cfg.gateway_id}.{uuid.uuid4().hex[:8]}"
@@ -247,10 +253,12 @@ class GatewayService:
         if current is None or current.path != Path(spec.model):
             try:
                 self.models[name] = await asyncio.get_running_loop().run_in_executor(
-                    None, load_served_model, name, spec.model)
+                    None, load_served_model, name, spec.model, spec.tool_call_parser or None)
             except Exception as exc:  # keep serving what we had; control validated the spec
                 log.error("cannot load the deployment's tokenizer", deployment=name, error=str(exc))
                 return
+        else:
+            current.tool_call_parser = spec.tool_call_parser or None
         for alias in spec.aliases:
             if alias not in self.models:
                 self.aliases[alias] = name
@@ -465,9 +473,12 @@ class GatewayService:
     async def _chat_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int], str | None]:
         parsed, messages = oa.parse_chat(await self._read_json(request))
         model, lora = self._model_and_adapter(parsed.model)
+        tools.bind_parser(parsed.tools, model.tool_call_parser)
+        tools.check_template_renders_tools(parsed.tools, model.tokenizer.chat_template)
 
         def render() -> list[int]:
-            text = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = model.tokenizer.apply_chat_template(messages, tools=parsed.tools.tools if parsed.tools else None,
+                                                       tokenize=False, add_generation_prompt=True)
             return model.tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -653,6 +664,8 @@ class GatewayService:
         if parsed.chat:
             body = oa.chat_body(f"chatcmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                 oa.logprobs_chat(chunks, model.decode_token, parsed.logprobs or 0), usage)
+            if parsed.tools is not None:
+                tools.reply_choice(body["choices"][0], parsed.tools, text)
         else:
             body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                       oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
@@ -702,6 +715,7 @@ class GatewayService:
                     request.transport.abort()
                 raise ClientGone("the client stopped reading the stream", 499) from None
 
+        tool_parser = parsed.tools.parser_for_reply() if parsed.tools is not None else None
         if parsed.chat:
             await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
                         **usage_null})
@@ -717,9 +731,15 @@ class GatewayService:
             on_last = {} if parsed.include_usage else extension
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
-                delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
-                await send({**oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason, logprobs),
-                            **usage_null, **on_last})
+                deltas = [{"content": chunk.text} if chunk.text or not chunk.is_final else {}]
+                finish = chunk.finish_reason
+                if tool_parser is not None:  # content and tool calls, as the parser reads them
+                    deltas, finish = tools.stream_deltas(tool_parser, chunk.text, chunk.is_final, finish,
+                                                         logprobs is not None)
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    await send({**oa.chat_chunk(rid, model.name, created, delta, finish if last else None,
+                                                logprobs if i == 0 else None), **usage_null, **(on_last if last else {})})
             else:
                 logprobs = oa.logprobs_completion([chunk], model.decode_token)
                 await send({**oa.completion_body(rid, model.name, created, chunk.text, chunk.finish_reason,
