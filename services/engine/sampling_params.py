@@ -40,6 +40,8 @@ class SamplingParams:
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Choices (services.engine.choices): n sequences forked after prefill, sharing the prompt's KV.
+    n: int = 1
 
     MAX_LOGPROBS = 20
 
@@ -73,6 +75,8 @@ class SamplingParams:
         for name in BUILTIN_DEFAULTS:
             if getattr(self, name) is None:
                 raise bad(name, "unset (resolve the parameters first)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
