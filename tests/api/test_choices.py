@@ -128,3 +128,41 @@ def test_chat_streaming_n(client):
     assert roles == {0: "assistant", 1: "assistant"} and finishes == {0: "length", 1: "length"}
     whole = client.chat.completions.create(**kw)
     assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+
+
+async def test_every_kv_block_is_freed_after_choices_and_abandoned_streams(api_stack, aclient):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from shared import keys
+    from tests.fault.conftest import metric
+
+    r = aioredis.Redis.from_url(api_stack.infra.redis_url)
+    try:
+        url = (await r.hget(keys.replica("engine-0"), "http_url")).decode()
+    finally:
+        await r.aclose()
+
+    async def usage() -> float:
+        return await metric(url, "strata:kv_cache_usage_perc")
+
+    async def aborts() -> float:
+        return await metric(url, "strata:request_success_total", finished_reason="abort")
+
+    await aclient.completions.create(model=MODEL, prompt="warm", max_tokens=2, n=4, seed=1, temperature=1.0)
+    aborted_before = await aborts()
+    stream = await aclient.completions.create(model=MODEL, prompt="Abandoned " * 30, max_tokens=1500, n=4,
+                                              temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    async for _ in stream:
+        if await usage() > 0:  # all four choices hold blocks
+            break
+    await stream.close()  # the client leaves: the gateway cancels, the engine aborts every choice
+    await aclient.completions.create(model=MODEL, prompt=["a batch", [1, 2, 3]], max_tokens=4, n=3, seed=2,
+                                     temperature=1.0)
+    for _ in range(100):
+        if await usage() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await usage() == 0
+    assert await aborts() == aborted_before + 1  # one request of four choices, ended once
