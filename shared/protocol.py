@@ -361,6 +361,10 @@ class SamplingSpec(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    # Choices (n > 1): the engine forks the sequence after prefill into n, sharing the prompt's
+    # KV blocks; each choice streams with its own TokenChunk.index. (best_of is the gateway's:
+    # it asks for best_of choices and returns the n with the highest cumulative logprob.)
+    n: int = 1
     # Structured outputs (issue 18): the output follows a JSON schema, regex, choice or grammar.
     structured: StructuredSpec | None = None
 
@@ -492,10 +496,16 @@ class TokenChunk(Message):
     replica_id: str | None = None
     revision: int | None = None  # on the final chunk: the deployment revision that served it
     spec_decode: SpecDecodeUsage | None = None  # on the final chunk, when drafts were verified for it
+    # Choices (SamplingSpec.n > 1): which choice the chunk belongs to; chunks of different choices
+    # interleave. Each choice ends in one chunk with its finish_reason; `choices_running` counts the
+    # choices still running after it, so the request's final chunk is the one where it is 0 (and
+    # carries the usage of all choices, the prompt counted once).
+    index: int = 0
+    choices_running: int = 0
 
     @property
     def is_final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        return self.error is not None or (self.finish_reason is not None and self.choices_running == 0)
 
 
 @dataclass

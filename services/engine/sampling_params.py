@@ -42,8 +42,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Structured outputs (services.engine.structured): shared.protocol.StructuredSpec, or None.
     structured: object = None
+    # Choices (services.engine.choices): n sequences forked after prefill, sharing the prompt's KV.
+    n: int = 1
 
     MAX_LOGPROBS = 20
+    MAX_N = 256  # bounds the sequences one request creates (the gateway's own limit, --max-n, is lower)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,8 @@ class SamplingParams:
         for name in BUILTIN_DEFAULTS:
             if getattr(self, name) is None:
                 raise bad(name, "unset (resolve the parameters first)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
+            raise bad("n", f"must be an integer in [1, {self.MAX_N}], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from services.gateway.choices import MAX_N_DEFAULT
 from services.gateway.service import GatewayConfig, GatewayService
 from services.gateway.tool_parsers import TOOL_PARSERS, UnknownToolParser, parser_class
 from shared import aio, telemetry
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how tool_choice 'auto' reads tool calls from the output of the models served here "
                         f"({', '.join(TOOL_PARSERS)}): one for every --serve model, or MODEL=PARSER for one "
                         f"(repeatable); a deployment's spec has its own tool_call_parser")
+    p.add_argument("--max-n", type=int, default=MAX_N_DEFAULT,
+                   help="choices per prompt a request may ask for (n, best_of); more is a 400 naming the field")
     limits = p.add_argument_group("HTTP limits")
     defaults = HttpLimits()
     limits.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
@@ -71,8 +74,9 @@ def main(argv=None) -> int:
         # Models: the directories given here, plus every deployment control stores.
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
-    if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1:
-        print("--max-inflight, --default-max-tokens and --max-connections must be at least 1", file=sys.stderr)
+    if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1 or args.max_n < 1:
+        print("--max-inflight, --default-max-tokens, --max-connections and --max-n must be at least 1",
+              file=sys.stderr)
         return 2
     try:
         tool_call_parsers = parse_tool_call_parsers(args.tool_call_parser)
@@ -84,8 +88,9 @@ def main(argv=None) -> int:
                       max_connections=args.max_connections)
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region,
-                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens, http=http,
-                        nats_auth=settings.nats_auth(), tool_call_parsers=tool_call_parsers)
+                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens,
+                        max_n=args.max_n, http=http, nats_auth=settings.nats_auth(),
+                        tool_call_parsers=tool_call_parsers)
 
     aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
                                aio.serve_until_signalled(GatewayService(cfg)), settings.nats_auth()))

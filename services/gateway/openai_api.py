@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.gateway.choices import Choices, parse_choices, parse_prompts
 from shared.layers import by_component, layer_timings
 from services.gateway.structured_outputs import parse_structured
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
@@ -99,6 +100,10 @@ class ParsedRequest:
     logprobs: int | None  # top-n to return (None: no logprobs)
     extra: dict = field(default_factory=dict)
     tools: "ToolRequest | None" = None  # chat tool calling (services.gateway.tools)
+    # Choices (services.gateway.choices): n and best_of; every prompt of a completions batch as
+    # (text, ids) (prompt_text / prompt_token_ids are the first's).
+    choices: Choices = field(default_factory=Choices)
+    prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -178,8 +183,6 @@ def _common(body: Any) -> tuple[str, bool, bool]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model")
-    if _number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise bad("only n=1 is supported", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
@@ -193,21 +196,8 @@ def _common(body: Any) -> tuple[str, bool, bool]:
 
 def parse_completion(body: Any) -> ParsedRequest:
     model, stream, include_usage = _common(body)
-    prompt = body.get("prompt")
-    text, ids = None, None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
-                                                     for t in prompt):
-        ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad("batched prompts are not supported: send one prompt per request", "prompt")
-    else:
-        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    prompts = parse_prompts(body.get("prompt"))
+    text, ids = prompts[0]
     if body.get("echo"):
         raise bad("'echo' is not supported", "echo")
     if body.get("suffix"):
@@ -215,7 +205,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
-    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                         choices=parse_choices(body, stream), prompts=prompts)
 
 
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
@@ -248,7 +239,8 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
         logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                           choices=parse_choices(body, stream))
     parsed.tools = parse_tools(body, parsed.sampling)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body

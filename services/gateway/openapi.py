@@ -49,7 +49,8 @@ _SAMPLING = {
     "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
     "guided_grammar": {"type": "string", "minLength": 1},
     "guided_decoding_backend": {"enum": ["auto", "xgrammar"]},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16,
+          "description": "choices per prompt (at most the gateway's --max-n, default 16)"},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                        "description": "only with stream: true"},
@@ -98,6 +99,13 @@ _ONE_CONSTRAINT = {"not": {"anyOf": [{"allOf": [a, b]} for i, a in enumerate(_CO
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
 _TOOL_CHOICE_NEEDS_TOOLS = _only_with("tool_choice", {"required": ["tools"]})
+# best_of must be >= n and is not streamed (the best choices are known only at the end): what a
+# static schema can say of that is best_of without n and without stream: true.
+_BEST_OF = {"type": "integer", "minimum": 1, "maximum": 16,
+            "description": "choices generated per prompt, of which the n with the highest cumulative logprob "
+                           "are returned; >= n; not with stream"}
+_BEST_OF_ALONE = _only_with("best_of", {"not": {"anyOf": [{"required": ["n"]}, {
+    "properties": {"stream": {"const": True}}, "required": ["stream"]}]}})
 
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
@@ -178,23 +186,25 @@ def openapi_spec(server_url: str = "") -> dict:
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {
-                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT],
+                    "type": "object", "required": ["model", "prompt"],
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _BEST_OF_ALONE],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
                             {"type": "string", "minLength": 1},
                             {"type": "array", "items": TOKEN_ID, "minItems": 1},
-                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"oneOf": [
+                            {"type": "array", "minItems": 1, "maxItems": 256, "items": {"oneOf": [
                                 {"type": "string", "minLength": 1},
                                 {"type": "array", "items": TOKEN_ID, "minItems": 1}]},
-                             "description": "a batch of one prompt"}]},
+                             "description": "a batch of prompts: one choice each (times n), in order"}]},
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "best_of": _BEST_OF,
                         "echo": {"const": False, "description": "not supported: only false"},
                         "suffix": {"enum": [None, ""], "description": "not supported"},
                         **_SAMPLING}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _TOOL_CHOICE_NEEDS_TOOLS,
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _TOOL_CHOICE_NEEDS_TOOLS, _BEST_OF_ALONE,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
                     "properties": {
@@ -209,6 +219,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         "logprobs": {"type": "boolean"},
                         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
                         **_TOOLS,
+                        "best_of": _BEST_OF,
                         **_SAMPLING}},
             },
         },
