@@ -20,7 +20,7 @@ def chat(client, max_tokens=MAX_TOKENS, seed=0, **kwargs):
                                           max_tokens=max_tokens, temperature=1.0, seed=seed, **kwargs)
 
 
-def test_ten_json_schemas_over_response_format(aclient):
+async def test_ten_json_schemas_over_response_format(aclient):
     async def one(i, schema):
         return await aclient.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Item {i} as JSON."}], max_tokens=MAX_TOKENS,
@@ -28,10 +28,8 @@ def test_ten_json_schemas_over_response_format(aclient):
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
                                                                     "strict": True}})
 
-    async def all_():
-        return await asyncio.gather(*(one(i, s) for i, s in enumerate(SCHEMAS)))
-
-    for response, schema in zip(asyncio.run(all_()), SCHEMAS):
+    responses = await asyncio.gather(*(one(i, s) for i, s in enumerate(SCHEMAS)))
+    for response, schema in zip(responses, SCHEMAS):
         choice = response.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
