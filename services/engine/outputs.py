@@ -54,3 +54,6 @@ class RequestOutput:
     text_delta: str = ""
     new_logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    # When prompt_logprobs were asked: per prompt token after the first, its PromptLogprob
+    # (services.engine.prompt_logprobs); complete from the first output on.
+    prompt_logprobs: list | None = None
