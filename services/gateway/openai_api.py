@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway import prompt_logprobs
+from services.gateway.prompt_logprobs import PromptOptions
 from shared.layers import by_component, layer_timings
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
 
@@ -94,6 +96,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top-n to return (None: no logprobs)
     extra: dict = field(default_factory=dict)
+    prompt: PromptOptions = field(default_factory=PromptOptions)  # echo, prompt_logprobs
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -130,8 +133,9 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
     if max_tokens is None:
         max_tokens = max_tokens_default
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
-        raise bad(f"'{param}' must be an integer in [1, 2**31)", param)
+    least = prompt_logprobs.min_max_tokens(body)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not least <= max_tokens < 2**31:
+        raise bad(f"'{param}' must be an integer in [{least}, 2**31)", param)
     top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
     if top_k == 0:
         raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
@@ -202,14 +206,14 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise bad("batched prompts are not supported: send one prompt per request", "prompt")
     else:
         raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    if body.get("echo"):
-        raise bad("'echo' is not supported", "echo")
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
-    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
+    return parsed
 
 
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
@@ -240,6 +244,7 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
     return parsed, clean
@@ -251,16 +256,6 @@ def usage_dict(chunk: TokenChunk) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def logprobs_completion(chunks: list[TokenChunk], decode) -> dict | None:
-    entries = [lp for c in chunks for lp in (c.logprobs or [])]
-    if not entries:
-        return None
-    return {"tokens": [decode(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{decode(t): v for t, v in e.top.items()} for e in entries],
-            "text_offset": []}
 
 
 def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
@@ -280,9 +275,11 @@ def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
 
 
 def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                    logprobs: dict | None, usage: dict | None, chunk: bool) -> dict:
+                    logprobs: dict | None, usage: dict | None, chunk: bool, prompt_logprobs: list | None = None) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if prompt_logprobs is not None:  # vLLM's prompt_logprobs, asked for
+        body["choices"][0]["prompt_logprobs"] = prompt_logprobs
     if usage is not None or not chunk:
         body["usage"] = usage
     return body

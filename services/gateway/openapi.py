@@ -46,6 +46,14 @@ def _only_with(field: str, condition: dict) -> dict:
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
 
+# Prompt logprobs (services.gateway.prompt_logprobs): max_tokens 0 scores the prompt only.
+_PROMPT_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20,
+                    "description": "vLLM's: top-n logprobs per prompt token, as `prompt_logprobs` in each choice"}
+_MAX_TOKENS_ZERO_SCORES_THE_PROMPT = {
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"anyOf": [{"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                       {"required": ["prompt_logprobs"]}]}}
+
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
     "total_tokens": {"type": "integer"},
@@ -125,7 +133,8 @@ def openapi_spec(server_url: str = "") -> dict:
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
                 "CompletionRequest": {
-                    "type": "object", "required": ["model", "prompt"], "allOf": [_STREAM_OPTIONS_NEED_STREAM],
+                    "type": "object", "required": ["model", "prompt"],
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _MAX_TOKENS_ZERO_SCORES_THE_PROMPT],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
@@ -136,9 +145,14 @@ def openapi_spec(server_url: str = "") -> dict:
                                 {"type": "array", "items": TOKEN_ID, "minItems": 1}]},
                              "description": "a batch of one prompt"}]},
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                        "echo": {"const": False, "description": "not supported: only false"},
+                        "echo": {"type": "boolean", "description": "the prompt before the completion, in its "
+                                 "text and logprobs (then max_tokens may be 0)"},
+                        "prompt_logprobs": _PROMPT_LOGPROBS,
                         "suffix": {"enum": [None, ""], "description": "not supported"},
-                        **_SAMPLING}},
+                        **_SAMPLING,
+                        "max_tokens": {**_SAMPLING["max_tokens"], "minimum": 0,
+                                       "description": "0 only with echo or prompt_logprobs: the prompt is scored, "
+                                                      "nothing generated"}}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
                     "allOf": [_STREAM_OPTIONS_NEED_STREAM,
@@ -155,6 +169,9 @@ def openapi_spec(server_url: str = "") -> dict:
                         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
                         "logprobs": {"type": "boolean"},
                         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "prompt_logprobs": {**_PROMPT_LOGPROBS, "description": "vLLM's: top-n logprobs per "
+                                            "prompt token, as `prompt_logprobs` in the response"},
+                        "echo": {"const": False, "description": "completions only"},
                         **_SAMPLING}},
             },
         },

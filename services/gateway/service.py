@@ -25,13 +25,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
-from services.gateway import tracing
+from services.gateway import prompt_logprobs, tracing
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
+from services.gateway.prompt_logprobs import CompletionLogprobs
 from services.gateway.replica_info import replica_precision
 from shared import http, http_limits, protocol, registry
 from shared.bus import Bus, NatsAuth
@@ -78,6 +79,21 @@ class ServedModel:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def visible_text(self, token_id: int) -> str:
+        """What a token adds to a completion's text (special tokens are skipped): text_offset."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+    def echo_text(self, parsed: ParsedRequest, ids: list[int]) -> str:
+        """The prompt as echoed: its text, or a token-id prompt decoded."""
+        if parsed.prompt_text is not None:
+            return parsed.prompt_text
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def completion_logprobs(self, parsed: ParsedRequest) -> CompletionLogprobs | None:
+        if parsed.logprobs is None:
+            return None
+        return CompletionLogprobs(self.decode_token, self.visible_text, parsed.logprobs)
 
 
 def load_served_model(name: str, path: str) -> ServedModel:
@@ -650,12 +666,20 @@ class GatewayService:
         text = "".join(c.text for c in chunks)
         usage = oa.usage_dict(final)
         created = oa.now()
+        ids, asked = gen.prompt_token_ids, parsed.prompt
+        vllm_prompt_logprobs = None if asked.prompt_logprobs is None else prompt_logprobs.vllm_prompt_logprobs(
+            ids, prompt_logprobs.prompt_entries(chunks[0]), asked.prompt_logprobs, model.decode_token)
         if parsed.chat:
             body = oa.chat_body(f"chatcmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
                                 oa.logprobs_chat(chunks, model.decode_token, parsed.logprobs or 0), usage)
+            if vllm_prompt_logprobs is not None:  # vLLM's place for them in a chat response
+                body["prompt_logprobs"] = vllm_prompt_logprobs
         else:
-            body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
-                                      oa.logprobs_completion(chunks, model.decode_token), usage, chunk=False)
+            logprobs = model.completion_logprobs(parsed)
+            body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created,
+                                      (model.echo_text(parsed, ids) if asked.echo else "") + text, final.finish_reason,
+                                      logprobs and logprobs.take(chunks, ids if asked.echo else None), usage,
+                                      chunk=False, prompt_logprobs=vllm_prompt_logprobs)
         extension = self._finished(body["id"], model, gen, final, first_at)
         body["strata"] = extension
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
@@ -705,6 +729,8 @@ class GatewayService:
         if parsed.chat:
             await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
                         **usage_null})
+        completion_logprobs = model.completion_logprobs(parsed)
+        ids, asked, first_chunk = gen.prompt_token_ids, parsed.prompt, True
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:  # after the first byte: in band, and the stream ends
                 self._account(model.name, None, chunk.revision)
@@ -720,10 +746,17 @@ class GatewayService:
                 delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
                 await send({**oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason, logprobs),
                             **usage_null, **on_last})
-            else:
-                logprobs = oa.logprobs_completion([chunk], model.decode_token)
-                await send({**oa.completion_body(rid, model.name, created, chunk.text, chunk.finish_reason,
-                                                  logprobs, None, chunk=True), **usage_null, **on_last})
+            else:  # the prompt (echo, prompt_logprobs) comes with the first chunk
+                echo = asked.echo and first_chunk
+                logprobs = completion_logprobs and completion_logprobs.take([chunk], ids if echo else None)
+                vllm_prompt_logprobs = None if asked.prompt_logprobs is None or not first_chunk else \
+                    prompt_logprobs.vllm_prompt_logprobs(ids, prompt_logprobs.prompt_entries(chunk),
+                                                         asked.prompt_logprobs, model.decode_token)
+                text = (model.echo_text(parsed, ids) if echo else "") + chunk.text
+                await send({**oa.completion_body(rid, model.name, created, text, chunk.finish_reason, logprobs, None,
+                                                  chunk=True, prompt_logprobs=vllm_prompt_logprobs),
+                            **usage_null, **on_last})
+            first_chunk = False
             if chunk.is_final and parsed.include_usage:
                 await send({**oa.usage_chunk(rid, model.name, created, parsed.chat, oa.usage_dict(chunk)), **extension})
         await response.write(b"data: [DONE]\n\n")

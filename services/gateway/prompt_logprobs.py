@@ -1,0 +1,117 @@
+"""Completions `echo`, prompt logprobs and `text_offset`: request parsing and response shapes
+(pure: no I/O).
+
+- `echo` (completions only; chat refuses it): the prompt's text comes first in the choice's
+  text, and with `logprobs` the logprobs cover the prompt's tokens then the completion's, the
+  first prompt token's logprob null (nothing comes before it), as OpenAI and vLLM return them.
+  With `echo`, `max_tokens` may be 0: the prompt is scored and nothing generated.
+- vLLM's `prompt_logprobs: n`: a top-level `prompt_logprobs` list in each completion choice (in
+  the response, for chat): None for the first prompt token, then {token id: {logprob, rank,
+  decoded_token}} with the prompt token and the top n.
+- `text_offset`: each token's character offset in the choice's returned text; a token's text is
+  what it decodes to on its own with special tokens skipped (a BOS token takes no characters).
+
+Both become one wire field, `SamplingSpec.prompt_logprobs` (the larger n of the two asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.protocol import SamplingSpec, TokenChunk, TokenLogprob
+
+MAX_PROMPT_LOGPROBS = 20
+
+
+@dataclass
+class PromptOptions:
+    """What a request asked of its prompt."""
+
+    echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field (its top-n), None if not asked
+
+    @property
+    def asked(self) -> bool:
+        return self.echo or self.prompt_logprobs is not None
+
+
+def min_max_tokens(body: dict) -> int:
+    """The least max_tokens a request may ask for: 0 when it only scores its prompt."""
+    return 0 if body.get("echo") is True or body.get("prompt_logprobs") is not None else 1
+
+
+def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, bad) -> PromptOptions:
+    """The request's prompt options; sets `sampling.prompt_logprobs` for what they need. `bad`
+    builds the 400 (openai_api.bad)."""
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean", "echo")
+    if echo and chat:
+        raise bad("'echo' is only supported by /v1/completions, not by chat completions", "echo")
+    n = body.get("prompt_logprobs")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PROMPT_LOGPROBS):
+        raise bad(f"'prompt_logprobs' must be an integer in [0, {MAX_PROMPT_LOGPROBS}]", "prompt_logprobs")
+    wanted = [k for k in (n, logprobs if echo else None) if k is not None]
+    if echo and sampling.max_tokens == 0 and not wanted:
+        wanted = [0]  # prefill only: the engine runs it for its prompt logprobs, which nobody shows
+    if wanted:
+        sampling.prompt_logprobs = max(wanted)
+    elif sampling.max_tokens == 0:
+        raise bad("'max_tokens' may be 0 only with 'echo' or 'prompt_logprobs'", "max_tokens")
+    return PromptOptions(echo, n)
+
+
+def prompt_entries(chunk: TokenChunk) -> list[TokenLogprob]:
+    return chunk.prompt_logprobs or []
+
+
+def _top(e: TokenLogprob, n: int, decode: Callable[[int], str]) -> dict[str, float]:
+    """The top n (in the engine's order, most likely first) and the token itself."""
+    top = {decode(t): v for t, v in list(e.top.items())[:n]}
+    top[decode(e.token_id)] = e.logprob
+    return top
+
+
+class CompletionLogprobs:
+    """The `logprobs` of one completion choice, chunk by chunk: tokens, token_logprobs,
+    top_logprobs and text_offset, the offsets running on across chunks. `decode`: a token's text
+    as shown in `tokens`; `visible`: the text it adds to the choice's text."""
+
+    def __init__(self, decode: Callable[[int], str], visible: Callable[[int], str], top_n: int):
+        self.decode, self.visible, self.top_n = decode, visible, top_n
+        self.offset = 0
+
+    def take(self, chunks: list[TokenChunk], prompt_ids: list[int] | None = None) -> dict | None:
+        """The logprobs of these chunks; with `prompt_ids` (echo), the prompt's first."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt_ids is not None:
+            entries = prompt_entries(chunks[0]) if chunks else []
+            self._add(out, prompt_ids[0], None, None)
+            for token_id, e in zip(prompt_ids[1:], entries):
+                self._add(out, token_id, e.logprob, _top(e, self.top_n, self.decode))
+        for e in (lp for c in chunks for lp in (c.logprobs or [])):
+            self._add(out, e.token_id, e.logprob, {self.decode(t): v for t, v in e.top.items()})
+        return out if out["tokens"] else None
+
+    def _add(self, out: dict, token_id: int, logprob: float | None, top: dict | None) -> None:
+        out["tokens"].append(self.decode(token_id))
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.offset)
+        self.offset += len(self.visible(token_id))
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], entries: list[TokenLogprob], n: int,
+                         decode: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {id: {logprob, rank,
+    decoded_token}} for the prompt token and the top n (ranks 1..n in order)."""
+    out: list[dict | None] = [None]
+    for token_id, e in zip(prompt_ids[1:], entries):
+        item = {str(t): {"logprob": v, "rank": r, "decoded_token": decode(t)}
+                for r, (t, v) in enumerate(list(e.top.items())[:n], start=1)}
+        item.setdefault(str(token_id), {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode(token_id)})
+        out.append(item)
+    return out
