@@ -335,6 +335,10 @@ class SamplingSpec(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    # Choices (n > 1): the engine forks the sequence after prefill into n, sharing the prompt's
+    # KV blocks; each choice streams with its own TokenChunk.index. (best_of is the gateway's:
+    # it asks for best_of choices and returns the n with the highest cumulative logprob.)
+    n: int = 1
     # Prompt logprobs: top-n per prompt position (0 = only the prompt token's own), on the first
     # chunk; with them, max_tokens may be 0 (prefill only).
     prompt_logprobs: int | None = None
@@ -471,13 +475,19 @@ class TokenChunk(Message):
     replica_id: str | None = None
     revision: int | None = None  # on the final chunk: the deployment revision that served it
     spec_decode: SpecDecodeUsage | None = None  # on the final chunk, when drafts were verified for it
+    # Choices (SamplingSpec.n > 1): which choice the chunk belongs to; chunks of different choices
+    # interleave. Each choice ends in one chunk with its finish_reason; `choices_running` counts the
+    # choices still running after it, so the request's final chunk is the one where it is 0 (and
+    # carries the usage of all choices, the prompt counted once).
+    index: int = 0
+    choices_running: int = 0
     # On the first chunk, when sampling.prompt_logprobs was set: one per prompt token after the
     # first (the first has nothing before it), in order.
     prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        return self.error is not None or (self.finish_reason is not None and self.choices_running == 0)
 
 
 @dataclass

@@ -127,6 +127,27 @@ class BlockManager:
         self._append_fresh(seq, needed)
         return True
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None | bool:
+        """Give child (a new choice of parent's request: the same first tokens) parent's KV for
+        its first num_tokens tokens: the full blocks shared (a reference each), the partial last
+        one copied into a fresh block, because the child writes into it next. Returns the
+        (source, destination) block ids to copy, None if there is nothing to copy, False
+        (changing nothing) if there is no free block for the copy."""
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.free_blocks:
+            return False
+        for block_id in parent.block_table[:full]:
+            self._ref(block_id)
+        child.block_table = parent.block_table[:full]
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_computed_tokens = num_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        if not partial:
+            return None
+        self._append_fresh(child, 1)
+        return parent.block_table[full], child.block_table[-1]
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -45,9 +45,12 @@ class LLM:
                 self.engine.acquire_lora(lora.lora_name)
             self.engine.add_processed(rid, text, tokens, sp, lora_name=lora.lora_name if lora else None)
         finished: dict[str, RequestOutput] = {}
+        choices: dict[str, list] = {}  # request id -> its finished choices (n > 1)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                choices.setdefault(out.request_id, []).extend(out.outputs)
                 if out.finished:
+                    out.outputs = sorted(choices.pop(out.request_id), key=lambda c: c.index)
                     finished[out.request_id] = out
         return [finished[rid] for rid in ids]
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager, KvEvents
+from services.engine.choices import ChoiceGroup, fork
 from services.engine.config import EngineArgs
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.input_processor import InputProcessor
@@ -15,7 +16,7 @@ from services.engine.model_runner import STEP_PHASES, ModelRunner, StepTimings
 from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceStatus
 from shared.block_hash import adapter_root_hash
 
 
@@ -103,14 +104,25 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = params.resolved(self.inputs.generation_defaults)  # a no-op once processed
         generated, text_chars = resumed
+        if generated and params.n > 1:
+            if lora_name is not None:
+                self.lora.release(lora_name)
+            raise InvalidRequestError("n: a resumed stream continues one choice; n must be 1", "n")
         prompt_ids = ids[:len(ids) - generated]
         if generated and params.prompt_logprobs is not None:  # delivered by the stream's first leg
             params = dataclasses.replace(params, prompt_logprobs=None)
-        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
-                                       params.skip_special_tokens, params.include_stop_str_in_output)
-        seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
-        if lora_name is not None:
-            seq.lora_name, seq.hash_root = lora_name, adapter_root_hash(lora_name)
+
+        def new_seq(params: SamplingParams) -> Sequence:
+            detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
+                                           params.skip_special_tokens, params.include_stop_str_in_output)
+            seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
+            if lora_name is not None:
+                seq.lora_name, seq.hash_root = lora_name, adapter_root_hash(lora_name)
+            return seq
+
+        seq = new_seq(params)
+        if params.n > 1:  # the other choices are forked from it after its prefill
+            ChoiceGroup(seq, params.n, new_seq)
         if generated:
             self._resume(seq, ids[len(prompt_ids):], text_chars)
         self.requests[request_id] = seq
@@ -135,9 +147,12 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self._finish(seq, "abort")
-        seq.finish_time = time.monotonic()
-        self._aborted.append(self._output(seq))
+        now = time.monotonic()
+        for choice in seq.group.seqs if seq.group is not None else [seq]:
+            if not choice.is_finished:
+                self._finish(choice, "abort")
+                choice.finish_time = now
+                self._aborted.append(self._output(choice))
         return True
 
     def discard_pending_outputs(self) -> None:
@@ -177,6 +192,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
+            if seq.group is not None and seq.group.ready_to_fork(seq):  # before its first token
+                fork(seq.group, self.scheduler, self.runner.copy_block)
         now = time.monotonic()
         generated, previous = 0, None
         for seq, token, logprob in zip(sampled_seqs, result.token_ids, result.logprobs):
@@ -238,11 +255,16 @@ class LLMEngine:
         seq.finish_time = now
         if seq.first_token_time is None:  # prefill only: its end is where a first token would be
             seq.first_token_time = now
-        del self.requests[seq.request_id]
+        if seq.group is None or seq.group.finished:
+            del self.requests[seq.request_id]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        if seq.lora_name is not None:
+        group = seq.group
+        if group is not None and seq.index and not group.forked:  # never scheduled: it holds nothing
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
+        if seq.lora_name is not None and (group is None or group.finished):  # pinned once per request
             self.lora.release(seq.lora_name)
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -257,14 +279,21 @@ class LLMEngine:
                 seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         delta = seq.detokenizer.take_delta(finished)
         self._detok_s += time.perf_counter() - t
-        completion = CompletionOutput(0, seq.detokenizer.output_text if finished or self.streaming else "",
+        group, choices_running = seq.group, 0
+        if group is not None:
+            group.final_outputs += finished
+            choices_running = group.n - group.final_outputs
+        completion = CompletionOutput(seq.index, seq.detokenizer.output_text if finished or self.streaming else "",
                                       seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
                                  seq.num_draft_tokens, seq.num_accepted_tokens)
+        first = group.seqs[0] if group is not None else seq  # the prompt's, counted once
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             finished, max(seq.num_cached_tokens, 0), new_ids, delta, new_logprobs, metrics,
-                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
+                             finished and not choices_running, max(first.num_cached_tokens, 0), new_ids, delta,
+                             new_logprobs, metrics, choices_running,
+                             group.num_output_tokens() if group is not None else seq.num_output_tokens,
+                             list(first.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- introspection ----------------------------------------------------------------------
     def drain_kv_events(self) -> KvEvents:

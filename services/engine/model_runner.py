@@ -156,6 +156,14 @@ class ModelRunner:
         return blocks
 
     # ---- one step ---------------------------------------------------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block, every layer (a forked choice's copy of its prompt's last block)."""
+        for layer in self.kv_caches:
+            for cache in layer:
+                quantized = isinstance(cache, quantized_kv.QuantizedKVCache)
+                for t in ((cache.data, cache.scales) if quantized else (cache,)):
+                    t[dst].copy_(t[src])
+
     def prepare(self, batch: ScheduledBatch):
         """Flatten a scheduled batch: decode tokens first, then prefill chunks. A sequence with
         drafts to verify is a prefill chunk (the extend path), or on CPU's torch backend one

@@ -54,6 +54,10 @@ class RequestOutput:
     text_delta: str = ""
     new_logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    # Choices (n > 1): a streaming output is one choice's (outputs[0].index), ending that choice
+    # when its finish_reason is set; `finished` is the whole request's, once every choice ended.
+    choices_running: int = 0  # the request's choices not ended after this output
+    num_completion_tokens: int = 0  # generated tokens of every choice (usage), on the finished output
     # When prompt_logprobs were asked: per prompt token after the first, its PromptLogprob
     # (services.engine.prompt_logprobs); complete from the first output on.
     prompt_logprobs: list | None = None

@@ -54,6 +54,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_front(self, seq: Sequence) -> None:
+        """Queue seq ahead of new arrivals (a choice forked without its blocks)."""
+        self.waiting.appendleft(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A choice forked with its blocks (services.engine.choices): it decodes from the next step."""
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -63,7 +71,8 @@ class Scheduler:
         bm = self.block_manager
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        # Forked choices may take running past max_num_seqs: the ones past it wait a step.
+        while i < len(self.running) and budget > 0 and len(batch.seqs) < self.max_num_seqs:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate_slots(seq, num_new):

@@ -52,6 +52,10 @@ class Sequence:
         self.spec_state = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Choices (services.engine.choices): which choice of its request it is, and the request's
+        # ChoiceGroup when n > 1 (None: a request of one choice).
+        self.index = 0
+        self.group = None
 
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -71,7 +71,7 @@ def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
         min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
+        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty, n=spec.n,
         prompt_logprobs=spec.prompt_logprobs)
 
 
@@ -356,11 +356,12 @@ class EngineWorker:
         if seq_no == 0 and last.prompt_logprobs is not None:
             chunk.prompt_logprobs = [TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top, rank=e.rank)
                                      for e in last.prompt_logprobs]
+        completion = last.outputs[0]
+        chunk.index, chunk.choices_running = completion.index, last.choices_running
+        chunk.finish_reason = completion.finish_reason  # set on each choice's last output
         if last.finished:
-            completion = last.outputs[0]
-            chunk.finish_reason = completion.finish_reason
             chunk.usage = Usage(prompt_tokens=len(last.prompt_token_ids),
-                                completion_tokens=len(completion.token_ids), cached_tokens=last.num_cached_tokens)
+                                completion_tokens=last.num_completion_tokens, cached_tokens=last.num_cached_tokens)
             chunk.timings = {f"engine_{k}": v for k, v in last.metrics.timings().items()}
             if last.metrics.num_draft_tokens:
                 chunk.spec_decode = SpecDecodeUsage(draft_tokens=last.metrics.num_draft_tokens,
@@ -372,7 +373,7 @@ class EngineWorker:
         m = self.metrics
         m.finished(out.outputs[0].finish_reason or "unknown")
         m.prompt_tokens.inc(len(out.prompt_token_ids))
-        m.generation_tokens.inc(len(out.outputs[0].token_ids))
+        m.generation_tokens.inc(out.num_completion_tokens)
         m.e2e.observe(time.monotonic() - arrival)
         t = out.metrics.timings()
         for key, hist in (("queue", m.queue_time), ("prefill", m.prefill_time), ("decode", m.decode_time)):
@@ -594,10 +595,10 @@ class ChunkSink:
         attributes = {"strata.revision": self.worker.cfg.revision}
         if out is not None:
             attributes |= {telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(out.prompt_token_ids),
-                           telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: len(out.outputs[0].token_ids),
+                           telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: out.num_completion_tokens,
                            telemetry.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: out.num_cached_tokens,
                            telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [error or out.outputs[0].finish_reason or ""]}
-            fields.update(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.outputs[0].token_ids),
+            fields.update(prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_completion_tokens,
                           cached_tokens=out.num_cached_tokens,
                           **{f"{k}_ms": round(v * 1e3, 3) for k, v in out.metrics.timings().items()})
         record_spans(self.trace_parent, self.req.model, self.req.request_id, self.worker.cfg.replica_id, stamps,

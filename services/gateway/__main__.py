@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from services.gateway.choices import MAX_N_DEFAULT
 from services.gateway.service import GatewayConfig, GatewayService
 from shared import aio, telemetry
 from shared.http_limits import HttpLimits
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests served at once; past it new ones get 503 with Retry-After before any work")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="max_tokens of chat requests that give none (a deployment's limits.default_max_tokens wins)")
+    p.add_argument("--max-n", type=int, default=MAX_N_DEFAULT,
+                   help="choices per prompt a request may ask for (n, best_of); more is a 400 naming the field")
     limits = p.add_argument_group("HTTP limits")
     defaults = HttpLimits()
     limits.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
@@ -54,15 +57,16 @@ def main(argv=None) -> int:
         # Models: the directories given here, plus every deployment control stores.
         print("--nats-url and --redis-url are required", file=sys.stderr)
         return 2
-    if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1:
-        print("--max-inflight, --default-max-tokens and --max-connections must be at least 1", file=sys.stderr)
+    if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1 or args.max_n < 1:
+        print("--max-inflight, --default-max-tokens, --max-connections and --max-n must be at least 1",
+              file=sys.stderr)
         return 2
     http = HttpLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       write_timeout=args.write_timeout, keepalive_timeout=args.keepalive_timeout,
                       max_connections=args.max_connections)
     cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
                         args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region,
-                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens, http=http,
+                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens, max_n=args.max_n, http=http,
                         nats_auth=settings.nats_auth())
 
     aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,

@@ -9,7 +9,9 @@ gateway cancels that leg (a replica presumed dead may be alive) and submits the 
 original prompt followed by every completion token delivered so far, the same sampling with
 max_tokens reduced by them, and `resume` set, so the engine continues exactly where the client
 is (greedy and seeded output are the same as without the fault). Chunks of earlier legs are
-dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error.
+dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error;
+so does a stream of several choices (n > 1), at once (each prompt of a batch is a flow of its
+own, and migrates as one).
 
 A replica is presumed dead only on evidence that holds under overload: its heartbeats (sent from
 a thread that never waits on a step) stopped AND the stream itself got nothing for as long; or
@@ -279,6 +281,9 @@ class Migrator:
         try:
             await self.gw.bus.publish(protocol.CANCEL, Cancel(request_id=lost_leg, tenant=gen.tenant))
             remaining = gen.sampling.max_tokens - len(flow.token_ids)
+            if gen.sampling.n > 1:  # a Resume continues one completion; the choices' would need one each
+                return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; a stream of {gen.sampling.n} "
+                                  f"choices (n > 1) does not move to another replica")
             if flow.migrations >= MAX_MIGRATIONS:
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; the stream already moved "
                                   f"{flow.migrations} times, the most it may")

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.choices import Choices, parse_choices, parse_prompts
 from services.gateway import prompt_logprobs
 from services.gateway.prompt_logprobs import PromptOptions
 from shared.layers import by_component, layer_timings
@@ -96,6 +97,10 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top-n to return (None: no logprobs)
     extra: dict = field(default_factory=dict)
+    # Choices (services.gateway.choices): n and best_of; every prompt of a completions batch as
+    # (text, ids) (prompt_text / prompt_token_ids are the first's).
+    choices: Choices = field(default_factory=Choices)
+    prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
     prompt: PromptOptions = field(default_factory=PromptOptions)  # echo, prompt_logprobs
 
 
@@ -176,8 +181,6 @@ def _common(body: Any) -> tuple[str, bool, bool]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model")
-    if _number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise bad("only n=1 is supported", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
@@ -191,27 +194,15 @@ def _common(body: Any) -> tuple[str, bool, bool]:
 
 def parse_completion(body: Any) -> ParsedRequest:
     model, stream, include_usage = _common(body)
-    prompt = body.get("prompt")
-    text, ids = None, None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
-                                                     for t in prompt):
-        ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad("batched prompts are not supported: send one prompt per request", "prompt")
-    else:
-        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    prompts = parse_prompts(body.get("prompt"))
+    text, ids = prompts[0]
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
-    parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                           choices=parse_choices(body, stream), prompts=prompts)
     parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
     return parsed
 
@@ -243,7 +234,8 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
         logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                           choices=parse_choices(body, stream))
     parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body

@@ -29,7 +29,8 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16,
+          "description": "choices per prompt (at most the gateway's --max-n, default 16)"},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                        "description": "only with stream: true"},
@@ -45,6 +46,13 @@ def _only_with(field: str, condition: dict) -> dict:
 
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"properties": {"stream": {"const": True}},
                                                             "required": ["stream"]})
+# best_of must be >= n and is not streamed (the best choices are known only at the end): what a
+# static schema can say of that is best_of without n and without stream: true.
+_BEST_OF = {"type": "integer", "minimum": 1, "maximum": 16,
+            "description": "choices generated per prompt, of which the n with the highest cumulative logprob "
+                           "are returned; >= n; not with stream"}
+_BEST_OF_ALONE = _only_with("best_of", {"not": {"anyOf": [{"required": ["n"]}, {
+    "properties": {"stream": {"const": True}}, "required": ["stream"]}]}})
 
 # Prompt logprobs (services.gateway.prompt_logprobs): max_tokens 0 scores the prompt only.
 _PROMPT_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20,
@@ -134,17 +142,18 @@ def openapi_spec(server_url: str = "") -> dict:
                 "Usage": _USAGE,
                 "CompletionRequest": {
                     "type": "object", "required": ["model", "prompt"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _MAX_TOKENS_ZERO_SCORES_THE_PROMPT],
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _BEST_OF_ALONE, _MAX_TOKENS_ZERO_SCORES_THE_PROMPT],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
                             {"type": "string", "minLength": 1},
                             {"type": "array", "items": TOKEN_ID, "minItems": 1},
-                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"oneOf": [
+                            {"type": "array", "minItems": 1, "maxItems": 256, "items": {"oneOf": [
                                 {"type": "string", "minLength": 1},
                                 {"type": "array", "items": TOKEN_ID, "minItems": 1}]},
-                             "description": "a batch of one prompt"}]},
+                             "description": "a batch of prompts: one choice each (times n), in order"}]},
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "best_of": _BEST_OF,
                         "echo": {"type": "boolean", "description": "the prompt before the completion, in its "
                                  "text and logprobs (then max_tokens may be 0)"},
                         "prompt_logprobs": _PROMPT_LOGPROBS,
@@ -155,7 +164,7 @@ def openapi_spec(server_url: str = "") -> dict:
                                                       "nothing generated"}}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM,
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _BEST_OF_ALONE,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
                     "properties": {
@@ -172,6 +181,7 @@ def openapi_spec(server_url: str = "") -> dict:
                         "prompt_logprobs": {**_PROMPT_LOGPROBS, "description": "vLLM's: top-n logprobs per "
                                             "prompt token, as `prompt_logprobs` in the response"},
                         "echo": {"const": False, "description": "completions only"},
+                        "best_of": _BEST_OF,
                         **_SAMPLING}},
             },
         },

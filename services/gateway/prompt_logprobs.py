@@ -17,7 +17,7 @@ Both become one wire field, `SamplingSpec.prompt_logprobs` (the larger n of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from shared.protocol import SamplingSpec, TokenChunk, TokenLogprob
 
@@ -64,10 +64,6 @@ def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, 
     return PromptOptions(echo, n)
 
 
-def prompt_entries(chunk: TokenChunk) -> list[TokenLogprob]:
-    return chunk.prompt_logprobs or []
-
-
 def _top(e: TokenLogprob, n: int, decode: Callable[[int], str]) -> dict[str, float]:
     """The top n (in the engine's order, most likely first) and the token itself."""
     top = {decode(t): v for t, v in list(e.top.items())[:n]}
@@ -75,33 +71,85 @@ def _top(e: TokenLogprob, n: int, decode: Callable[[int], str]) -> dict[str, flo
     return top
 
 
+class TokenTexts(Protocol):
+    """The served model's texts of tokens (ServedModel)."""
+
+    def decode_token(self, token_id: int) -> str: ...  # as shown in `tokens`
+
+    def visible_text(self, token_id: int) -> str: ...  # what it adds to a choice's text
+
+    def decode_text(self, ids: list[int]) -> str: ...  # a token-id prompt, echoed
+
+
 class CompletionLogprobs:
     """The `logprobs` of one completion choice, chunk by chunk: tokens, token_logprobs,
-    top_logprobs and text_offset, the offsets running on across chunks. `decode`: a token's text
-    as shown in `tokens`; `visible`: the text it adds to the choice's text."""
+    top_logprobs and text_offset, the offsets running on across chunks."""
 
-    def __init__(self, decode: Callable[[int], str], visible: Callable[[int], str], top_n: int):
-        self.decode, self.visible, self.top_n = decode, visible, top_n
+    def __init__(self, texts: TokenTexts, top_n: int):
+        self.texts, self.top_n = texts, top_n
         self.offset = 0
 
-    def take(self, chunks: list[TokenChunk], prompt_ids: list[int] | None = None) -> dict | None:
-        """The logprobs of these chunks; with `prompt_ids` (echo), the prompt's first."""
+    def take(self, chunks: list[TokenChunk], prompt: tuple[list[int], list[TokenLogprob]] | None = None
+             ) -> dict | None:
+        """The logprobs of these chunks; with `prompt` (echo: its ids and logprobs), the prompt's first."""
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        if prompt_ids is not None:
-            entries = prompt_entries(chunks[0]) if chunks else []
-            self._add(out, prompt_ids[0], None, None)
-            for token_id, e in zip(prompt_ids[1:], entries):
-                self._add(out, token_id, e.logprob, _top(e, self.top_n, self.decode))
+        decode = self.texts.decode_token
+        if prompt is not None:
+            ids, entries = prompt
+            self._add(out, ids[0], None, None)
+            for token_id, e in zip(ids[1:], entries):
+                self._add(out, token_id, e.logprob, _top(e, self.top_n, decode))
         for e in (lp for c in chunks for lp in (c.logprobs or [])):
-            self._add(out, e.token_id, e.logprob, {self.decode(t): v for t, v in e.top.items()})
+            self._add(out, e.token_id, e.logprob, {decode(t): v for t, v in e.top.items()})
         return out if out["tokens"] else None
 
     def _add(self, out: dict, token_id: int, logprob: float | None, top: dict | None) -> None:
-        out["tokens"].append(self.decode(token_id))
+        out["tokens"].append(self.texts.decode_token(token_id))
         out["token_logprobs"].append(logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(self.offset)
-        self.offset += len(self.visible(token_id))
+        self.offset += len(self.texts.visible_text(token_id))
+
+
+class PromptParts:
+    """What the prompts add to a response's choices, by prompt of a batch (`prompt_no`) and by
+    choice (`index`, the response's): the echoed text, logprobs from the prompt's on, and vLLM's
+    prompt_logprobs, each with the choice's first chunk. `prompts`: (text or None, ids) each."""
+
+    def __init__(self, options: PromptOptions, top_n: int | None, prompts: list[tuple[str | None, list[int]]],
+                 texts: TokenTexts):
+        self.options, self.prompts, self.texts = options, prompts, texts
+        self.top_n = top_n  # completions' `logprobs` (None: not asked)
+        self.entries: dict[int, list[TokenLogprob]] = {}  # the prompt's logprobs, from its leg's first chunk
+        self.logprobs: dict[int, CompletionLogprobs] = {}
+        self.started: set[int] = set()
+
+    def note(self, prompt_no: int, chunk: TokenChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.entries[prompt_no] = chunk.prompt_logprobs
+
+    def completion(self, prompt_no: int, index: int, chunks: list[TokenChunk]) -> tuple[str, dict | None, list | None]:
+        """(text, logprobs, vLLM's prompt_logprobs) of choice `index` over `chunks`: the whole
+        choice, or its next streamed chunk."""
+        for chunk in chunks:
+            self.note(prompt_no, chunk)
+        first = index not in self.started
+        self.started.add(index)
+        text, ids = self.prompts[prompt_no]
+        entries = self.entries.get(prompt_no, [])
+        echo = self.options.echo and first
+        prefix = (text if text is not None else self.texts.decode_text(ids)) if echo else ""
+        logprobs = None
+        if self.top_n is not None:
+            state = self.logprobs.setdefault(index, CompletionLogprobs(self.texts, self.top_n))
+            logprobs = state.take(chunks, (ids, entries) if echo else None)
+        return prefix + "".join(c.text for c in chunks), logprobs, self.vllm(prompt_no) if first else None
+
+    def vllm(self, prompt_no: int) -> list | None:
+        if self.options.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.prompts[prompt_no][1], self.entries.get(prompt_no, []),
+                                    self.options.prompt_logprobs, self.texts.decode_token)
 
 
 def vllm_prompt_logprobs(prompt_ids: list[int], entries: list[TokenLogprob], n: int,

@@ -11,6 +11,8 @@ one from the tokens already sent (services.gateway.migration).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
 import time
@@ -24,15 +26,16 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.gateway import choices
 from services.gateway import openai_api as oa
-from services.gateway import prompt_logprobs, tracing
+from services.gateway import tracing
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
-from services.gateway.prompt_logprobs import CompletionLogprobs
+from services.gateway.prompt_logprobs import PromptParts
 from services.gateway.replica_info import replica_precision
 from shared import http, http_limits, protocol, registry
 from shared.bus import Bus, NatsAuth
@@ -64,6 +67,7 @@ class GatewayConfig:
     scheduler_wait: float = 10.0  # no scheduler answers (this gateway or they just started): retry this long
     max_inflight: int = 256  # requests served at once; past it: 503 with Retry-After, before any work
     default_max_tokens: int = 1024  # chat requests without max_tokens (a deployment's limits override it)
+    max_n: int = choices.MAX_N_DEFAULT  # choices per prompt (n, best_of); more is a 400
     http: HttpLimits = field(default_factory=HttpLimits)
     nats_auth: NatsAuth = field(default_factory=NatsAuth)
 
@@ -84,16 +88,9 @@ class ServedModel:
         """What a token adds to a completion's text (special tokens are skipped): text_offset."""
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
 
-    def echo_text(self, parsed: ParsedRequest, ids: list[int]) -> str:
-        """The prompt as echoed: its text, or a token-id prompt decoded."""
-        if parsed.prompt_text is not None:
-            return parsed.prompt_text
+    def decode_text(self, ids: list[int]) -> str:
+        """A token-id prompt as echoed."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def completion_logprobs(self, parsed: ParsedRequest) -> CompletionLogprobs | None:
-        if parsed.logprobs is None:
-            return None
-        return CompletionLogprobs(self.decode_token, self.visible_text, parsed.logprobs)
 
 
 def load_served_model(name: str, path: str) -> ServedModel:
@@ -436,8 +433,8 @@ class GatewayService:
 
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
-        parsed, model, ids, lora = await prompt_of(request)
-        return await self._serve(request, key, parsed, model, ids, lora)
+        parsed, model, prompts, lora = await prompt_of(request)
+        return await self._serve(request, key, parsed, model, prompts, lora)
 
     @web.middleware
     async def _admission_middleware(self, request: web.Request, handler):
@@ -466,19 +463,24 @@ class GatewayService:
                         inflight=self.inflight.inflight, limit=self.inflight.limit)
             self._refused_unlogged, self._refusals_logged_at = 0, now
 
-    async def _completion_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int], str | None]:
+    async def _completion_prompt(self, request: web.Request
+                                 ) -> tuple[ParsedRequest, "ServedModel", list[list[int]], str | None]:
+        """The request, its model, the token ids of each prompt of its batch, its adapter."""
         parsed = oa.parse_completion(await self._read_json(request))
         model, lora = self._model_and_adapter(parsed.model)
-        if parsed.prompt_token_ids is not None:
-            ids = parsed.prompt_token_ids
-            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
-            if bad is not None:
-                raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
-        else:
-            ids = await self._off_loop(len(parsed.prompt_text), model.tokenizer.encode, parsed.prompt_text)
-        return parsed, model, ids, lora
+        prompts = []
+        for text, ids in parsed.prompts:
+            if ids is not None:
+                bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+                if bad is not None:
+                    raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+            else:
+                ids = await self._off_loop(len(text), model.tokenizer.encode, text)
+            prompts.append(ids)
+        return parsed, model, prompts, lora
 
-    async def _chat_prompt(self, request: web.Request) -> tuple[ParsedRequest, "ServedModel", list[int], str | None]:
+    async def _chat_prompt(self, request: web.Request
+                           ) -> tuple[ParsedRequest, "ServedModel", list[list[int]], str | None]:
         parsed, messages = oa.parse_chat(await self._read_json(request))
         model, lora = self._model_and_adapter(parsed.model)
 
@@ -492,7 +494,7 @@ class GatewayService:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
         if parsed.extra.get("max_tokens_unset"):  # bounded: never "the whole context" by default
             parsed.sampling.max_tokens = max(min(self.default_max_tokens(model.name), model.max_model_len - len(ids)), 1)
-        return parsed, model, ids, lora
+        return parsed, model, [ids], lora
 
     def default_max_tokens(self, model: str) -> int:
         """max_tokens of a chat request that gives none: its deployment's limit, else this gateway's."""
@@ -530,75 +532,98 @@ class GatewayService:
         return model
 
     async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
-                     ids: list[int], lora: str | None = None) -> web.StreamResponse:
+                     prompts: list[list[int]], lora: str | None = None) -> web.StreamResponse:
+        """One engine request (leg) per prompt, each asking for the request's choices per prompt
+        (services.gateway.choices); their chunks make one response."""
         arrival = tracing.received_at()
-        if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
-            raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
-                         f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
-                         f"{parsed.sampling.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
-                         "context_length_exceeded")
+        choices.check_limit(parsed.choices, self.cfg.max_n)
+        for ids in prompts:
+            if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
+                raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                             f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
+                             f"{parsed.sampling.max_tokens} for the completion).",
+                             "messages" if parsed.chat else "prompt", "context_length_exceeded")
         deadline = oa.request_deadline(request.headers, arrival, self.cfg.request_timeout)
         timeout = deadline - arrival
-        charged, charged_at = len(ids) + parsed.sampling.max_tokens, time.time()
+        per_prompt = parsed.choices.per_prompt
+        charged = sum(len(ids) for ids in prompts) + len(prompts) * per_prompt * parsed.sampling.max_tokens
+        charged_at = time.time()
         over = await self.keys.charge(key, charged) if self.cfg.require_auth else None
         if over is not None:
             what, retry_after = over
             raise ApiError(429, f"rate limit reached for {what} per minute", "rate_limit_error", None,
                            "rate_limit_exceeded", retry_after=retry_after)
+        # best_of ranks choices by cumulative logprob: the engine sends the chosen tokens' ones.
+        logprobs = parsed.sampling.logprobs
+        if parsed.choices.selects and logprobs is None:
+            logprobs = 0
+        sampling = dataclasses.replace(parsed.sampling, n=per_prompt, logprobs=logprobs)
+        legs: list[Leg] = []
+        self.metrics.active.inc()
+        try:
+            for ids in prompts:  # all submitted before any is waited for: their prefills overlap
+                legs.append(self._open_leg(key, model, ids, sampling, deadline, timeout, arrival, lora, parsed.stream))
+                await self._submit_leg(legs[-1])
+            for leg in legs:
+                leg.first = await leg.queue.get()
+                self._held_by.pop(leg.gen.request_id, None)
+                if leg.first.error is not None:
+                    leg.done = leg.first.replica_id is not None  # from the engine itself: nothing runs on
+                    self._account(model.name, None, leg.first.revision)
+                    raise oa.from_engine_error(leg.first.error.code, leg.first.error.message,
+                                               leg.first.error.retry_after_s)
+            first_at = time.time()
+            self.metrics.ttft.labels(model.name).observe(first_at - arrival)
+            if parsed.stream:
+                return await self._stream(request, parsed, model, legs, (arrival, first_at))
+            return await self._collect(parsed, model, legs, (arrival, first_at))
+        finally:
+            if self.cfg.require_auth:  # charge what was used, not the estimate
+                used = sum(len(leg.ids) + self._completion_tokens.pop(leg.gen.request_id, 0) for leg in legs)
+                task = asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            self.metrics.active.dec()
+            for leg in legs:
+                await self._close_leg(leg)
+
+    def _open_leg(self, key: ApiKey, model: ServedModel, ids: list[int], sampling: protocol.SamplingSpec,
+                  deadline: float, timeout: float, arrival: float, lora: str | None, stream: bool) -> "Leg":
         rid = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid)
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
-                              prompt_token_ids=ids, sampling=parsed.sampling, deadline=deadline,
+                              prompt_token_ids=ids, sampling=sampling, deadline=deadline,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival}, region=self.cfg.region or None,
                               lora=lora)
-        tracing.annotate_request(gen, parsed.stream)
+        tracing.annotate_request(gen, stream)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._streams[rid] = queue
         self._tenants[rid] = key.tenant
-        self.metrics.active.inc()
-        finished = False
         # The engine ends the request at its deadline; if even that final chunk never comes
         # (a lost message, a dead engine), this sentinel ends the wait.
         timer = asyncio.get_running_loop().call_later(timeout + 2.0, queue.put_nowait, TokenChunk(
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
-        try:
-            gen.timestamps["gateway_published"] = time.time()
-            scheduler_id = await self._submit(gen)
-            if rid not in self._at_engine:
-                self._held_by[rid] = scheduler_id
-            first = await queue.get()
-            first_at = time.time()
-            self._held_by.pop(rid, None)
-            if first.error is not None:
-                finished = first.replica_id is not None  # from the engine itself: nothing runs on
-                self._account(model.name, None, first.revision)
-                raise oa.from_engine_error(first.error.code, first.error.message, first.error.retry_after_s)
-            self.metrics.ttft.labels(model.name).observe(time.time() - arrival)
-            times = (arrival, first_at)
-            if parsed.stream:
-                response = await self._stream(request, parsed, model, gen, first, queue, times)
-            else:
-                response = await self._collect(parsed, model, gen, first, queue, times)
-            finished = True
-            return response
-        finally:
-            if self.cfg.require_auth:  # charge what was used, not the estimate
-                used = len(ids) + self._completion_tokens.pop(rid, 0)
-                task = asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            timer.cancel()
-            self.metrics.active.dec()
-            self._streams.pop(rid, None)
-            self._held_by.pop(rid, None)
-            self._at_engine.discard(rid)
-            self._tenants.pop(rid, None)
-            leg_id = self.migration.forget(rid)
-            if not finished:  # the client left, or something broke: free the engine's blocks now
-                self.metrics.cancels.inc()
-                await asyncio.shield(self._cancel(gen, leg_id))
+        return Leg(gen, ids, queue, timer)
+
+    async def _submit_leg(self, leg: "Leg") -> None:
+        leg.gen.timestamps["gateway_published"] = time.time()
+        scheduler_id = await self._submit(leg.gen)
+        if leg.gen.request_id not in self._at_engine:
+            self._held_by[leg.gen.request_id] = scheduler_id
+
+    async def _close_leg(self, leg: "Leg") -> None:
+        rid = leg.gen.request_id
+        leg.timer.cancel()
+        self._streams.pop(rid, None)
+        self._held_by.pop(rid, None)
+        self._at_engine.discard(rid)
+        self._tenants.pop(rid, None)
+        leg_id = self.migration.forget(rid)
+        if not leg.done:  # the client left, or something broke: free the engine's blocks now
+            self.metrics.cancels.inc()
+            await asyncio.shield(self._cancel(leg.gen, leg_id))
 
     async def _submit(self, gen: GenerateRequest) -> str:
         """Hand the request to a scheduler; returns the id of the scheduler that took it."""
@@ -638,53 +663,101 @@ class GatewayService:
         except Exception as exc:
             log.warning("cancel publish failed", error=str(exc))
 
-    async def _chunks(self, first: TokenChunk, queue: asyncio.Queue, gen: GenerateRequest):
-        """The request's stream: its current leg's chunks in order, and nothing else (a request
+    async def _chunks(self, leg: "Leg"):
+        """The leg's stream: its current engine run's chunks in order, and nothing else (a request
         must never interleave two engines' tokens). A request whose replica dies, or whose stream
         loses a chunk, continues on another replica (services.gateway.migration)."""
-        flow, chunk = self.migration.flows[gen.request_id], first
+        gen = leg.gen
+        flow, chunk = self.migration.flows[gen.request_id], leg.first
         while True:
             delivered = self.migration.accept(flow, chunk)
             if delivered is not None:
                 self._completion_tokens[gen.request_id] = (self._completion_tokens.get(gen.request_id, 0)
                                                            + len(delivered.token_ids))
+                if delivered.is_final:
+                    leg.done = True
                 yield delivered
                 if delivered.is_final:
                     return
-            chunk = await queue.get()
+            chunk = await leg.queue.get()
 
-    async def _collect(self, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest, first: TokenChunk,
-                       queue: asyncio.Queue, times: tuple[float, float]) -> web.Response:
+    async def _merged(self, legs: list["Leg"]):
+        """(prompt number, chunk) of every leg as they come, until each leg's final chunk."""
+        if len(legs) == 1:
+            async for chunk in self._chunks(legs[0]):
+                yield 0, chunk
+            return
+        merged: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
+
+        async def pump(prompt_no: int, leg: Leg) -> None:
+            try:
+                async for chunk in self._chunks(leg):
+                    merged.put_nowait((prompt_no, chunk))
+            except Exception as exc:  # the response still ends, with one error
+                log.exception("stream failed", request_id=leg.gen.request_id)
+                merged.put_nowait((prompt_no, TokenChunk(request_id=leg.gen.request_id, seq=-1, finish_reason="error",
+                                                         error=ErrorInfo(code=ErrorCode.INTERNAL, message=str(exc)))))
+
+        tasks = [asyncio.create_task(pump(i, leg)) for i, leg in enumerate(legs)]
+        try:
+            running = len(legs)
+            while running:
+                prompt_no, chunk = await merged.get()
+                running -= chunk.is_final
+                yield prompt_no, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _collect(self, parsed: ParsedRequest, model: ServedModel, legs: list["Leg"],
+                       times: tuple[float, float]) -> web.Response:
         arrival, first_at = times
-        chunks = []
-        async for chunk in self._chunks(first, queue, gen):
-            if chunk.error is not None:
-                self._account(model.name, None, chunk.revision)
-                raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
-            chunks.append(chunk)
-        final = chunks[-1]
-        text = "".join(c.text for c in chunks)
-        usage = oa.usage_dict(final)
+        n = parsed.choices.n
+        bodies, finals = [], []
         created = oa.now()
-        ids, asked = gen.prompt_token_ids, parsed.prompt
-        vllm_prompt_logprobs = None if asked.prompt_logprobs is None else prompt_logprobs.vllm_prompt_logprobs(
-            ids, prompt_logprobs.prompt_entries(chunks[0]), asked.prompt_logprobs, model.decode_token)
-        if parsed.chat:
-            body = oa.chat_body(f"chatcmpl-{gen.request_id}", model.name, created, text, final.finish_reason,
-                                oa.logprobs_chat(chunks, model.decode_token, parsed.logprobs or 0), usage)
-            if vllm_prompt_logprobs is not None:  # vLLM's place for them in a chat response
-                body["prompt_logprobs"] = vllm_prompt_logprobs
-        else:
-            logprobs = model.completion_logprobs(parsed)
-            body = oa.completion_body(f"cmpl-{gen.request_id}", model.name, created,
-                                      (model.echo_text(parsed, ids) if asked.echo else "") + text, final.finish_reason,
-                                      logprobs and logprobs.take(chunks, ids if asked.echo else None), usage,
-                                      chunk=False, prompt_logprobs=vllm_prompt_logprobs)
-        extension = self._finished(body["id"], model, gen, final, first_at)
-        body["strata"] = extension
+        rid = legs[0].gen.request_id
+        parts = self._prompt_parts(parsed, model, legs)
+        for prompt_no, leg in enumerate(legs):  # each leg's chunks wait in its queue meanwhile
+            chunks = []
+            async for chunk in self._chunks(leg):
+                if chunk.error is not None:
+                    self._account(model.name, None, chunk.revision)
+                    raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
+                chunks.append(chunk)
+            finals.append(chunks[-1])
+            for chunk in chunks:
+                parts.note(prompt_no, chunk)
+            grouped = choices.by_choice(chunks)
+            picked = choices.best(grouped, n) if parsed.choices.selects else list(grouped.values())
+            for k, choice_chunks in enumerate(picked):
+                if parsed.choices.selects and parsed.sampling.logprobs is None:  # asked for ranking only
+                    choice_chunks = [dataclasses.replace(c, logprobs=None) for c in choice_chunks]
+                last = next(c for c in reversed(choice_chunks) if c.finish_reason is not None)
+                index = choices.response_index(prompt_no, k, n)
+                if parsed.chat:
+                    body = oa.chat_body(f"chatcmpl-{rid}", model.name, created, "".join(c.text for c in choice_chunks),
+                                        last.finish_reason,
+                                        oa.logprobs_chat(choice_chunks, model.decode_token, parsed.logprobs or 0), None)
+                else:  # the prompt's parts (echo, prompt logprobs) come first
+                    text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, choice_chunks)
+                    body = oa.completion_body(f"cmpl-{rid}", model.name, created, text, last.finish_reason, logprobs,
+                                              None, chunk=False, prompt_logprobs=vllm_prompt_logprobs)
+                bodies.append((index, body))
+        body = choices.merge_bodies(bodies)
+        if parsed.chat and parts.vllm(0) is not None:  # vLLM's place for them in a chat response
+            body["prompt_logprobs"] = parts.vllm(0)
+        body["usage"] = oa.usage_dict(TokenChunk(request_id=rid, seq=0, usage=choices.total_usage(finals)))
+        extensions = [self._finished(body["id"], model, leg.gen, final, first_at) for leg, final in zip(legs, finals)]
+        body["strata"] = extensions[0]
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
-        return web.json_response(body, headers={"x-request-id": gen.request_id,
-                                                "x-strata-timings": json.dumps(extension["timings"])})
+        return web.json_response(body, headers={"x-request-id": rid,
+                                                "x-strata-timings": json.dumps(extensions[0]["timings"])})
+
+    @staticmethod
+    def _prompt_parts(parsed: ParsedRequest, model: ServedModel, legs: list["Leg"]) -> PromptParts:
+        texts = [text for text, _ in parsed.prompts] or [None] * len(legs)  # chat: the rendered template's ids
+        return PromptParts(parsed.prompt, parsed.logprobs if not parsed.chat else None,
+                           [(text, leg.ids) for text, leg in zip(texts, legs)], model)
 
     def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
                   first_at: float) -> dict:
@@ -706,15 +779,17 @@ class GatewayService:
                                   timings)
         return extension
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, gen: GenerateRequest,
-                      first: TokenChunk, queue: asyncio.Queue, times: tuple[float, float]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, legs: list["Leg"],
+                      times: tuple[float, float]) -> web.StreamResponse:
         arrival, first_at = times
+        gen = legs[0].gen
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": gen.request_id})
         await response.prepare(request)
         created = oa.now()
         rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{gen.request_id}"
         usage_null = {"usage": None} if parsed.include_usage else {}
+        n = parsed.choices.n
 
         async def send(obj: dict) -> None:
             try:
@@ -727,42 +802,58 @@ class GatewayService:
                 raise ClientGone("the client stopped reading the stream", 499) from None
 
         if parsed.chat:
-            await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
-                        **usage_null})
-        completion_logprobs = model.completion_logprobs(parsed)
-        ids, asked, first_chunk = gen.prompt_token_ids, parsed.prompt, True
-        async for chunk in self._chunks(first, queue, gen):
-            if chunk.error is not None:  # after the first byte: in band, and the stream ends
-                self._account(model.name, None, chunk.revision)
-                await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
-                await response.write_eof()
-                return response
-            extension = {}
-            if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
-                extension = {"strata": self._finished(rid, model, gen, chunk, first_at)}
-            on_last = {} if parsed.include_usage else extension
-            if parsed.chat:
-                logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
-                delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
-                await send({**oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason, logprobs),
-                            **usage_null, **on_last})
-            else:  # the prompt (echo, prompt_logprobs) comes with the first chunk
-                echo = asked.echo and first_chunk
-                logprobs = completion_logprobs and completion_logprobs.take([chunk], ids if echo else None)
-                vllm_prompt_logprobs = None if asked.prompt_logprobs is None or not first_chunk else \
-                    prompt_logprobs.vllm_prompt_logprobs(ids, prompt_logprobs.prompt_entries(chunk),
-                                                         asked.prompt_logprobs, model.decode_token)
-                text = (model.echo_text(parsed, ids) if echo else "") + chunk.text
-                await send({**oa.completion_body(rid, model.name, created, text, chunk.finish_reason, logprobs, None,
-                                                  chunk=True, prompt_logprobs=vllm_prompt_logprobs),
-                            **usage_null, **on_last})
-            first_chunk = False
-            if chunk.is_final and parsed.include_usage:
-                await send({**oa.usage_chunk(rid, model.name, created, parsed.chat, oa.usage_dict(chunk)), **extension})
+            for index in range(len(legs) * n):
+                await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""},
+                                                            None, None), index), **usage_null})
+        finals, legs_open = [], len(legs)
+        parts = self._prompt_parts(parsed, model, legs)
+        async with contextlib.aclosing(self._merged(legs)) as stream:
+            async for prompt_no, chunk in stream:
+                if chunk.error is not None:  # after the first byte: in band, and the stream ends
+                    self._account(model.name, None, chunk.revision)
+                    await send(oa.from_engine_error(chunk.error.code, chunk.error.message).body())
+                    await response.write_eof()
+                    return response
+                index = choices.response_index(prompt_no, chunk.index, n)
+                extension = {}
+                if chunk.is_final:
+                    finals.append(chunk)
+                    legs_open -= 1
+                    extension = {"strata": self._finished(rid, model, legs[prompt_no].gen, chunk, first_at)}
+                # The strata extension: on the usage chunk if asked, else on the last one.
+                on_last = {} if parsed.include_usage or legs_open else extension
+                choice_done = chunk.finish_reason is not None
+                if parsed.chat:
+                    logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
+                    delta = {"content": chunk.text} if chunk.text or not choice_done else {}
+                    await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason,
+                                                                logprobs), index), **usage_null, **on_last})
+                else:  # the prompt's parts (echo, prompt logprobs) come with the choice's first chunk
+                    text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, [chunk])
+                    await send({**choices.indexed(oa.completion_body(rid, model.name, created, text,
+                                                                     chunk.finish_reason, logprobs, None, chunk=True,
+                                                                     prompt_logprobs=vllm_prompt_logprobs),
+                                                  index), **usage_null, **on_last})
+        if parsed.include_usage:
+            usage = oa.usage_dict(TokenChunk(request_id=gen.request_id, seq=0, usage=choices.total_usage(finals)))
+            await send({**oa.usage_chunk(rid, model.name, created, parsed.chat, usage), **extension})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return response
+
+
+@dataclass
+class Leg:
+    """One engine request of an HTTP request (one per prompt of a batch): its queue of chunks,
+    its first chunk once it came, and whether its stream ended (else it is cancelled)."""
+
+    gen: GenerateRequest
+    ids: list[int]
+    queue: asyncio.Queue
+    timer: asyncio.TimerHandle
+    first: TokenChunk | None = None
+    done: bool = False
 
 
 def parse_json(raw: bytes):

@@ -199,10 +199,9 @@ QUESTIONS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_stack, tiny_model_dir, tmp_path, batch_size):
-    """lm-eval's loglikelihood requests (echo, logprobs, max_tokens 1) for a local task: YAML and
-    a JSONL file in the test's directory, nothing downloaded."""
+def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_stack, tiny_model_dir, tmp_path):
+    """lm-eval's loglikelihood requests (echo, logprobs, max_tokens 1; batches of 4 prompts) for a
+    local task: YAML and a JSONL file in the test's directory, nothing downloaded."""
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     tasks = tmp_path / "tasks"
@@ -215,12 +214,13 @@ def test_lm_eval_local_completions_scores_a_multiple_choice_task(api_stack, tiny
                            f"tokenizer={tiny_model_dir}", "tokenizer_backend=huggingface", "tokenized_requests=True",
                            "num_concurrent=1", "max_retries=1", "max_length=2048"])
     cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-           "--tasks", "strata_tiny_mc", "--include_path", str(tasks), "--batch_size", str(batch_size),
+           "--tasks", "strata_tiny_mc", "--include_path", str(tasks), "--batch_size", "4",
            "--output_path", str(out)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     results = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
     assert len(results) == 1, list(out.rglob("*"))
+    assert str(results[0]["config"]["batch_size"]) == "4"
     task = results[0]["results"]["strata_tiny_mc"]
     assert 0.0 <= task["acc,none"] <= 1.0  # random weights: any accuracy, but a number
     assert results[0]["n-samples"]["strata_tiny_mc"]["effective"] == len(QUESTIONS)

@@ -141,7 +141,7 @@ def assert_openai_error(body, code=None):
     ({"model": MODEL, "prompt": [1, 2, 999999]}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"prompt": "x"}, "model"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, "n"),  # above the gateway's --max-n (16)
     ({"model": MODEL, "prompt": "x", "stop": 5}, "stop"),
     ({"model": MODEL, "prompt": "x", "top_k": 9223372036854775808}, "top_k"),  # once killed an engine
     ({"model": MODEL, "prompt": "x", "seed": 10**30}, "seed"),
