@@ -145,6 +145,13 @@ class PromptParts:
             logprobs = state.take(chunks, (ids, entries) if echo else None)
         return prefix + "".join(c.text for c in chunks), logprobs, self.vllm(prompt_no) if first else None
 
+    def chat_fields(self, prompt_no: int, chunk: TokenChunk) -> dict:
+        """vLLM's `prompt_logprobs` of a chat response (top-level), with the chunk that brings them."""
+        if self.options.prompt_logprobs is None or chunk.prompt_logprobs is None:
+            return {}
+        self.note(prompt_no, chunk)
+        return {"prompt_logprobs": self.vllm(prompt_no)}
+
     def vllm(self, prompt_no: int) -> list | None:
         if self.options.prompt_logprobs is None:
             return None

@@ -716,7 +716,7 @@ class GatewayService:
         bodies, finals = [], []
         created = oa.now()
         rid = legs[0].gen.request_id
-        parts = self._prompt_parts(parsed, model, legs)
+        parts, first_chunks = self._prompt_parts(parsed, model, legs), []
         for prompt_no, leg in enumerate(legs):  # each leg's chunks wait in its queue meanwhile
             chunks = []
             async for chunk in self._chunks(leg):
@@ -725,6 +725,7 @@ class GatewayService:
                     raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
                 chunks.append(chunk)
             finals.append(chunks[-1])
+            first_chunks.append(chunks[0])
             for chunk in chunks:
                 parts.note(prompt_no, chunk)
             grouped = choices.by_choice(chunks)
@@ -744,8 +745,8 @@ class GatewayService:
                                               None, chunk=False, prompt_logprobs=vllm_prompt_logprobs)
                 bodies.append((index, body))
         body = choices.merge_bodies(bodies)
-        if parsed.chat and parts.vllm(0) is not None:  # vLLM's place for them in a chat response
-            body["prompt_logprobs"] = parts.vllm(0)
+        if parsed.chat:  # vLLM's place for prompt_logprobs in a chat response
+            body.update(parts.chat_fields(0, first_chunks[0]))
         body["usage"] = oa.usage_dict(TokenChunk(request_id=rid, seq=0, usage=choices.total_usage(finals)))
         extensions = [self._finished(body["id"], model, leg.gen, final, first_at) for leg, final in zip(legs, finals)]
         body["strata"] = extensions[0]
@@ -827,7 +828,8 @@ class GatewayService:
                     logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
                     delta = {"content": chunk.text} if chunk.text or not choice_done else {}
                     await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, delta, chunk.finish_reason,
-                                                                logprobs), index), **usage_null, **on_last})
+                                                                logprobs), index), **usage_null, **on_last,
+                                **parts.chat_fields(prompt_no, chunk)})
                 else:  # the prompt's parts (echo, prompt logprobs) come with the choice's first chunk
                     text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, [chunk])
                     await send({**choices.indexed(oa.completion_body(rid, model.name, created, text,

@@ -127,6 +127,21 @@ def test_streamed_echo_equals_the_whole_response(client):
     assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs)
 
 
+def test_echo_in_a_batch_of_prompts_with_n_choices(client, tokenizer, reference):
+    prompts = [PROMPT, "Hello there, general"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, n=2, temperature=0.8, seed=1,
+                                  logprobs=0, echo=True, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    for c in r.choices:  # each choice echoes its own prompt, with that prompt's logprobs
+        prompt = prompts[c.index // 2]
+        ids = tokenizer.encode(prompt)
+        ref = reference(ids)
+        lp = c.logprobs
+        assert c.text.startswith(prompt) and len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+        assert max(abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) for p in range(1, len(ids))) < 1e-4
+        assert lp.text_offset[len(ids)] == len(prompt)
+
+
 def test_vllm_prompt_logprobs(client, tokenizer, reference):
     prompt_ids = tokenizer.encode(PROMPT)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
@@ -147,6 +162,10 @@ def test_vllm_prompt_logprobs(client, tokenizer, reference):
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                        extra_body={"prompt_logprobs": 0})
     assert c.model_extra["prompt_logprobs"][0] is None and len(c.model_extra["prompt_logprobs"]) > 3
+    streamed = [chunk.model_extra.get("prompt_logprobs") for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, stream=True,
+        extra_body={"prompt_logprobs": 0})]
+    assert [e for e in streamed if e is not None] == [c.model_extra["prompt_logprobs"]]  # once, on the first
 
 
 @pytest.mark.parametrize("kwargs, param", [
