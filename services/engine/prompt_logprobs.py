@@ -58,25 +58,34 @@ def plan(order: list[tuple[Sequence, int]]) -> list[PromptLogprobRows]:
     return rows
 
 
+ROWS_PER_SLICE = 512  # logits of this many rows at a time: 512 x 151,936 fp32 is 311 MB
+
+
 def compute(logits_of, hidden: torch.Tensor, rows: list[PromptLogprobRows], vocab_size: int) -> None:
     """Append each planned sequence's prompt logprobs to `seq.prompt_logprobs`. `logits_of`: the
-    model's hidden -> logits; run on the planned rows only, in one call."""
+    model's hidden -> logits; run on the planned rows only, a slice of rows at a time (a chunk
+    of prefill has up to max_num_batched_tokens of them)."""
     index = torch.cat([torch.arange(r.first_row, r.first_row + r.count) for r in rows]).to(hidden.device)
-    logprobs = torch.log_softmax(logits_of(hidden[index])[:, :vocab_size].float(), dim=-1)
     targets = torch.tensor([t for r in rows for t in r.seq.token_ids[r.first_position + 1:
                                                                      r.first_position + 1 + r.count]],
-                           device=logprobs.device)
-    actual = logprobs.gather(1, targets.view(-1, 1))
-    ranks = (logprobs > actual).sum(dim=1) + 1
+                           device=hidden.device)
     k = max(r.seq.params.prompt_logprobs for r in rows)
-    top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
-    actual, ranks, top_values, top_ids = (actual.view(-1).tolist(), ranks.tolist(), top_values.tolist(),
-                                          top_ids.tolist())
+    actual, ranks, top_values, top_ids = [], [], [], []
+    for lo in range(0, len(index), ROWS_PER_SLICE):
+        part = slice(lo, lo + ROWS_PER_SLICE)
+        logprobs = torch.log_softmax(logits_of(hidden[index[part]])[:, :vocab_size].float(), dim=-1)
+        own = logprobs.gather(1, targets[part].view(-1, 1))
+        ranks += ((logprobs > own).sum(dim=1) + 1).tolist()
+        actual += own.view(-1).tolist()
+        if k:
+            values, ids = logprobs.topk(k, dim=-1)
+            top_values += values.tolist()
+            top_ids += ids.tolist()
     targets = targets.tolist()
     i = 0
     for r in rows:
         n = r.seq.params.prompt_logprobs
         for _ in range(r.count):
-            r.seq.prompt_logprobs.append(PromptLogprob(targets[i], actual[i], ranks[i],
-                                                       dict(zip(top_ids[i][:n], top_values[i][:n]))))
+            top = dict(zip(top_ids[i][:n], top_values[i][:n])) if n else {}
+            r.seq.prompt_logprobs.append(PromptLogprob(targets[i], actual[i], ranks[i], top))
             i += 1

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from services.engine import LLM, SamplingParams, prompt_logprobs
 from services.engine.sampling_params import InvalidRequestError
 from tests.engine.conftest import assert_no_leak
 
@@ -37,11 +37,13 @@ def check(outputs, prompts, hf) -> None:
                 assert abs(e.top[t] - v) < 1e-4  # (a near tie may swap two ids: then this fails loudly)
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    {"max_num_batched_tokens": 16, "block_size": 16},  # a 70-token prompt in five chunks
-], ids=["whole", "chunked"])
-def test_prompt_logprobs_match_transformers(tiny_model_dir, prompts, hf, engine_args):
+@pytest.mark.parametrize("engine_args, rows_per_slice", [
+    ({}, prompt_logprobs.ROWS_PER_SLICE),
+    ({"max_num_batched_tokens": 16, "block_size": 16}, prompt_logprobs.ROWS_PER_SLICE),  # 70 tokens in 5 chunks
+    ({}, 8),  # the logits of a step's prompt rows a few rows at a time
+], ids=["whole", "chunked", "sliced"])
+def test_prompt_logprobs_match_transformers(tiny_model_dir, prompts, hf, engine_args, rows_per_slice, monkeypatch):
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_SLICE", rows_per_slice)
     llm = LLM(tiny_model_dir, dtype="float32", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP_N, ignore_eos=True)
     outputs = llm.generate(prompts, params)
