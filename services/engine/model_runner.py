@@ -164,7 +164,7 @@ class ModelRunner:
                 for t in ((cache.data, cache.scales) if quantized else (cache,)):
                     t[dst].copy_(t[src])
 
-    def prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch, with_prompt_logprobs: bool = False):
         """Flatten a scheduled batch: decode tokens first, then prefill chunks. A sequence with
         drafts to verify is a prefill chunk (the extend path), or on CPU's torch backend one
         decode row per token, each with its own context length (its causal mask): the decode
@@ -232,7 +232,8 @@ class ModelRunner:
                 sample_seqs.extend([seq] * (m + 1))
         if self.lora is not None:
             self.lora.set_batch([(self.lora.slot(seq.lora_name), n) for seq, n in order])
-        self.prompt_logprob_rows = prompt_logprobs.plan(order)  # read by execute, after the forward
+        # The rows whose logits give prompt logprobs (execute computes them after the forward).
+        self.prompt_logprob_rows = prompt_logprobs.plan(order) if with_prompt_logprobs else []
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
@@ -261,7 +262,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits = self.model.logits(hidden)
         else:
-            ids, pos, meta, rows, seqs = self.prepare(batch)
+            ids, pos, meta, rows, seqs = self.prepare(batch, with_prompt_logprobs=True)
             verify = self.verifier is not None and len(seqs) > len(set(seqs))
             sampling = (self.verifier if verify else self.sampler).prepare(seqs)
             t1 = time.perf_counter()
