@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.engine.block_manager import KvEvents
+from services.engine.choices import check_resumable
 from services.engine.config import EngineArgs
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_runner import StepTimings
@@ -147,6 +148,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids, params = self.engine.inputs.process(prompt, params)
+        check_resumable(params, resumed[0])  # here: the loop thread must not meet a refusal
         if lora_name is not None:
             self.engine.acquire_lora(lora_name)
         stream = sink if sink is not None else RequestStream(request_id)

@@ -17,7 +17,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import Sequence, SequenceStatus
+
+
+def check_resumable(params: SamplingParams, generated: int) -> None:
+    """A resumed stream (protocol.Resume) continues one completion: refused with n > 1."""
+    if generated and params.n > 1:
+        raise InvalidRequestError("n: a resumed stream continues one choice; n must be 1", "n")
 
 
 def seed_for_choice(seed: int | None, index: int) -> int | None:

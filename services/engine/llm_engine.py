@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager, KvEvents
-from services.engine.choices import ChoiceGroup, fork
+from services.engine.choices import ChoiceGroup, check_resumable, fork
 from services.engine.config import EngineArgs
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.input_processor import InputProcessor
@@ -104,10 +104,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = params.resolved(self.inputs.generation_defaults)  # a no-op once processed
         generated, text_chars = resumed
-        if generated and params.n > 1:
+        try:
+            check_resumable(params, generated)
+        except InvalidRequestError:
             if lora_name is not None:
                 self.lora.release(lora_name)
-            raise InvalidRequestError("n: a resumed stream continues one choice; n must be 1", "n")
+            raise
         prompt_ids = ids[:len(ids) - generated]
         if generated and params.prompt_logprobs is not None:  # delivered by the stream's first leg
             params = dataclasses.replace(params, prompt_logprobs=None)

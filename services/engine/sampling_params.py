@@ -47,6 +47,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    MAX_N = 256  # bounds the sequences one request creates (the gateway's own limit, --max-n, is lower)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,8 +79,8 @@ class SamplingParams:
         for name in BUILTIN_DEFAULTS:
             if getattr(self, name) is None:
                 raise bad(name, "unset (resolve the parameters first)")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
+            raise bad("n", f"must be an integer in [1, {self.MAX_N}], got {self.n!r}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
                 self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
             raise bad("prompt_logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}")

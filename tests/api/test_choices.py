@@ -112,3 +112,19 @@ def test_bad_choices_are_400_naming_the_field(client, kwargs, param):
         client.completions.create(**kw)
     assert err.value.body["param"] == param, err.value.body
     assert greedy(client, "still serving").choices[0].text is not None  # the stack serves on
+
+
+def test_chat_streaming_n(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], n=2, max_tokens=5, seed=11,
+              temperature=1.0, extra_body={"ignore_eos": True})
+    roles, texts, finishes = {}, {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"} and finishes == {0: "length", 1: "length"}
+    whole = client.chat.completions.create(**kw)
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]

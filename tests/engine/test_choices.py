@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from services.engine.async_engine import AsyncLLMEngine
 from services.engine.block_manager import BlockManager
 from services.engine.choices import seed_for_choice
 from services.engine.llm import LLM
@@ -146,3 +147,20 @@ def test_bad_n_is_refused(llm):
         llm.engine.add_processed("resumed", None, [1, 2, 3, 4], SamplingParams(n=2).resolved(), resumed=(2, 0))
     assert err.value.param == "n"
     assert_no_leak(llm.engine)
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate("x", SamplingParams(n=SamplingParams.MAX_N + 1))
+    assert err.value.param == "n"
+
+
+async def test_async_engine_refuses_a_resumed_n_at_add_time_and_serves_on(tiny_model_dir):
+    engine = AsyncLLMEngine.from_model(tiny_model_dir, num_kv_blocks=32)
+    await engine.start()
+    try:
+        with pytest.raises(InvalidRequestError):
+            engine.add_request("resumed", [1, 2, 3, 4], SamplingParams(n=2), resumed=(2, 0))
+        stream = engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, n=2))
+        outs = [out async for out in stream]
+        assert outs[-1].finished and sorted(o.outputs[0].index for o in outs if o.outputs[0].finish_reason) == [0, 1]
+    finally:
+        await engine.shutdown()
+    assert_no_leak(engine.engine)

@@ -121,7 +121,7 @@ def test_every_path_of_the_openapi_description_answers_without_5xx(stack):
     b'{"model": "tiny-llama", "prompt": "x", "max_tokens": 100000000000000000000000000000}',
     b'{"model": "tiny-llama", "prompt": "x", "max_tokens": 1e400}',
     b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "16"}',
-    b'{"model": "tiny-llama", "prompt": [[1, 2], [3]]}',
+    b'{"model": "tiny-llama", "prompt": [[1, 2], "x", 5]}',  # a batch with a bare token id in it
     b'{"model": "tiny-llama", "prompt": {"text": "x"}}',
     b'{"model": "no-such-model", "prompt": "x"}',
     b'{"model": ["tiny-llama"], "prompt": "x"}',
