@@ -267,11 +267,12 @@ def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
 
 
 def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                    logprobs: dict | None, usage: dict | None, chunk: bool, prompt_logprobs: list | None = None) -> dict:
+                    logprobs: dict | None, usage: dict | None, chunk: bool, vllm_prompt_logprobs: list | None = None
+                    ) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if prompt_logprobs is not None:  # vLLM's prompt_logprobs, asked for
-        body["choices"][0]["prompt_logprobs"] = prompt_logprobs
+    if vllm_prompt_logprobs is not None:  # vLLM's prompt_logprobs, asked for
+        body["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs
     if usage is not None or not chunk:
         body["usage"] = usage
     return body

@@ -31,10 +31,6 @@ class PromptOptions:
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field (its top-n), None if not asked
 
-    @property
-    def asked(self) -> bool:
-        return self.echo or self.prompt_logprobs is not None
-
 
 def min_max_tokens(body: dict) -> int:
     """The least max_tokens a request may ask for: 0 when it only scores its prompt."""
@@ -43,7 +39,8 @@ def min_max_tokens(body: dict) -> int:
 
 def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, bad) -> PromptOptions:
     """The request's prompt options; sets `sampling.prompt_logprobs` for what they need. `bad`
-    builds the 400 (openai_api.bad)."""
+    builds the 400 (openai_api.bad). max_tokens 0 got past _sampling only with echo or
+    prompt_logprobs (min_max_tokens)."""
     echo = body.get("echo", False)
     if echo is None:
         echo = False
@@ -59,8 +56,6 @@ def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, 
         wanted = [0]  # prefill only: the engine runs it for its prompt logprobs, which nobody shows
     if wanted:
         sampling.prompt_logprobs = max(wanted)
-    elif sampling.max_tokens == 0:
-        raise bad("'max_tokens' may be 0 only with 'echo' or 'prompt_logprobs'", "max_tokens")
     return PromptOptions(echo, n)
 
 

@@ -742,7 +742,7 @@ class GatewayService:
                 else:  # the prompt's parts (echo, prompt logprobs) come first
                     text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, choice_chunks)
                     body = oa.completion_body(f"cmpl-{rid}", model.name, created, text, last.finish_reason, logprobs,
-                                              None, chunk=False, prompt_logprobs=vllm_prompt_logprobs)
+                                              None, chunk=False, vllm_prompt_logprobs=vllm_prompt_logprobs)
                 bodies.append((index, body))
         body = choices.merge_bodies(bodies)
         if parsed.chat:  # vLLM's place for prompt_logprobs in a chat response
@@ -834,7 +834,7 @@ class GatewayService:
                     text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, [chunk])
                     await send({**choices.indexed(oa.completion_body(rid, model.name, created, text,
                                                                      chunk.finish_reason, logprobs, None, chunk=True,
-                                                                     prompt_logprobs=vllm_prompt_logprobs),
+                                                                     vllm_prompt_logprobs=vllm_prompt_logprobs),
                                                   index), **usage_null, **on_last})
         if parsed.include_usage:
             usage = oa.usage_dict(TokenChunk(request_id=gen.request_id, seq=0, usage=choices.total_usage(finals)))
