@@ -367,6 +367,9 @@ class SamplingSpec(Message):
     n: int = 1
     # Structured outputs (issue 18): the output follows a JSON schema, regex, choice or grammar.
     structured: StructuredSpec | None = None
+    # Prompt logprobs: top-n per prompt position (0 = only the prompt token's own), on the first
+    # chunk; with them, max_tokens may be 0 (prefill only).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -422,7 +425,7 @@ class GenerateRequest(Message):
         if self.prompt_token_ids is not None and any(not 0 <= t < 2**63 for t in self.prompt_token_ids):
             raise ProtocolError("GenerateRequest: prompt_token_ids must be in [0, 2**63)")
         s = self.sampling
-        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(s, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
@@ -434,14 +437,17 @@ class GenerateRequest(Message):
         s = self.sampling
         if self.priority is not None and self.priority not in PRIORITIES:
             return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
-        if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
-            return f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
+        least = 0 if s.prompt_logprobs is not None else 1  # 0: prefill only, for the prompt's logprobs
+        if not least <= s.max_tokens <= MAX_TOKENS_LIMIT:
+            return f"sampling.max_tokens must be in [{least}, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
         if s.top_k is not None and s.top_k != -1 and s.top_k < 1:
             return f"sampling.top_k must be -1 (off) or >= 1, got {s.top_k}"
         if s.seed is not None and s.seed < 0:
             return f"sampling.seed must be >= 0, got {s.seed}"
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             return f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}"
+        if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
+            return f"sampling.prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}"
         return None
 
 
@@ -476,6 +482,7 @@ class TokenLogprob(Message):
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # top-n alternatives: token id -> logprob
+    rank: int | None = None  # of token_id in the vocabulary (1 = the most likely); prompt logprobs only
 
 
 @dataclass
@@ -502,6 +509,9 @@ class TokenChunk(Message):
     # carries the usage of all choices, the prompt counted once).
     index: int = 0
     choices_running: int = 0
+    # On the first chunk, when sampling.prompt_logprobs was set: one per prompt token after the
+    # first (the first has nothing before it), in order.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_final(self) -> bool:

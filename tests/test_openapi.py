@@ -37,7 +37,9 @@ def test_every_body_the_schema_allows_is_accepted(name, parse):
     {"model": "m", "prompt": "x", "top_k": 0},
     {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
     {"model": "m", "prompt": "x", "seed": -1},
-    {"model": "m", "prompt": "x", "echo": True},
+    {"model": "m", "prompt": "x", "echo": "yes"},
+    {"model": "m", "prompt": "x", "max_tokens": 0},  # 0 only to score the prompt (echo, prompt_logprobs)
+    {"model": "m", "prompt": "x", "prompt_logprobs": 21},
     {"model": "", "prompt": "x"},
     {"model": "m", "prompt": "x", "stop_token_ids": [-1]},
     {"model": "m", "prompt": "x", "max_tokens": 2**31},

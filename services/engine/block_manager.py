@@ -85,8 +85,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that cover the longest prefix of seq (the last token is never cached:
-        its logits are needed)."""
-        if not self.enable_prefix_caching:
+        its logits are needed). Nothing for a request that asks for prompt logprobs: every prompt
+        position's logits are needed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):

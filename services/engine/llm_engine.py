@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -115,6 +116,8 @@ class LLMEngine:
                 self.lora.release(lora_name)
             raise
         prompt_ids = ids[:len(ids) - generated]
+        if generated and params.prompt_logprobs is not None:  # delivered by the stream's first leg
+            params = dataclasses.replace(params, prompt_logprobs=None)
 
         def new_seq(params: SamplingParams) -> Sequence:
             detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
@@ -214,6 +217,9 @@ class LLMEngine:
             if seq is previous:  # the token before was an accepted draft: the verification computed its KV
                 seq.num_computed_tokens += 1
                 self.block_manager.cache_full_blocks(seq)
+            if seq.params.max_tokens == 0:  # prefill only (for its prompt logprobs): no token
+                self._finish_request(seq, "length", now)
+                continue
             self._append_token(seq, token, logprob, now)
             generated, previous = generated + 1, seq
         if self.spec is not None:
@@ -259,10 +265,15 @@ class LLMEngine:
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            self._finish(seq, reason)
-            seq.finish_time = now
-            if seq.group is None or seq.group.finished:
-                del self.requests[seq.request_id]
+            self._finish_request(seq, reason, now)
+
+    def _finish_request(self, seq: Sequence, reason: str, now: float) -> None:
+        self._finish(seq, reason)
+        seq.finish_time = now
+        if seq.first_token_time is None:  # prefill only: its end is where a first token would be
+            seq.first_token_time = now
+        if seq.group is None or seq.group.finished:
+            del self.requests[seq.request_id]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         group = seq.group
@@ -298,7 +309,8 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
                              finished and not choices_running, max(first.num_cached_tokens, 0), new_ids, delta,
                              new_logprobs, metrics, choices_running,
-                             group.num_output_tokens() if group is not None else seq.num_output_tokens)
+                             group.num_output_tokens() if group is not None else seq.num_output_tokens,
+                             list(first.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- introspection ----------------------------------------------------------------------
     def drain_kv_events(self) -> KvEvents:

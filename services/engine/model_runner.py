@@ -17,6 +17,7 @@ from services.engine.backends import select_ops
 from services.engine.config import EngineArgs
 from services.engine.model import LlamaModel
 from services.engine.model_config import ModelConfig
+from services.engine import prompt_logprobs
 from services.engine.quantization import kv_cache as quantized_kv
 from services.engine.quantization.loader import linear_loader, resolve as resolve_quantization
 from services.engine.sampler import SampleResult, Sampler
@@ -115,6 +116,7 @@ class ModelRunner:
         self.verifier = None
         self.verify_as_decode_rows = self.ops.name == "torch" and self.device.type == "cpu"
         self.graphs = None
+        self.prompt_logprob_rows: list[prompt_logprobs.PromptLogprobRows] = []  # of the batch prepare() flattened
         # Decode graphs capture no LoRA deltas: with adapters every step runs eagerly.
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton" and self.lora is None:
             from services.engine.cuda_graphs import DecodeGraphs
@@ -162,7 +164,7 @@ class ModelRunner:
                 for t in ((cache.data, cache.scales) if quantized else (cache,)):
                     t[dst].copy_(t[src])
 
-    def prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch, with_prompt_logprobs: bool = False):
         """Flatten a scheduled batch: decode tokens first, then prefill chunks. A sequence with
         drafts to verify is a prefill chunk (the extend path), or on CPU's torch backend one
         decode row per token, each with its own context length (its causal mask): the decode
@@ -230,6 +232,8 @@ class ModelRunner:
                 sample_seqs.extend([seq] * (m + 1))
         if self.lora is not None:
             self.lora.set_batch([(self.lora.slot(seq.lora_name), n) for seq, n in order])
+        # The rows whose logits give prompt logprobs (execute computes them after the forward).
+        self.prompt_logprob_rows = prompt_logprobs.plan(order) if with_prompt_logprobs else []
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta, sample_rows, sample_seqs
@@ -258,12 +262,14 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits = self.model.logits(hidden)
         else:
-            ids, pos, meta, rows, seqs = self.prepare(batch)
+            ids, pos, meta, rows, seqs = self.prepare(batch, with_prompt_logprobs=True)
             verify = self.verifier is not None and len(seqs) > len(set(seqs))
             sampling = (self.verifier if verify else self.sampler).prepare(seqs)
             t1 = time.perf_counter()
             hidden = self.model.forward(ids, pos, meta, self.kv_caches)
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+            if self.prompt_logprob_rows:
+                prompt_logprobs.compute(self.model.logits, hidden, self.prompt_logprob_rows, self.config.vocab_size)
         if logits is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

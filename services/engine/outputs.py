@@ -58,3 +58,6 @@ class RequestOutput:
     # when its finish_reason is set; `finished` is the whole request's, once every choice ended.
     choices_running: int = 0  # the request's choices not ended after this output
     num_completion_tokens: int = 0  # generated tokens of every choice (usage), on the finished output
+    # When prompt_logprobs were asked: per prompt token after the first, its PromptLogprob
+    # (services.engine.prompt_logprobs); complete from the first output on.
+    prompt_logprobs: list | None = None

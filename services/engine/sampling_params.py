@@ -44,6 +44,9 @@ class SamplingParams:
     structured: object = None
     # Choices (services.engine.choices): n sequences forked after prefill, sharing the prompt's KV.
     n: int = 1
+    # Prompt logprobs (services.engine.prompt_logprobs): top-n per prompt position (0 = only the
+    # prompt token's own); with them, max_tokens=0 means prefill only.
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
     MAX_N = 256  # bounds the sequences one request creates (the gateway's own limit, --max-n, is lower)
@@ -80,8 +83,15 @@ class SamplingParams:
                 raise bad(name, "unset (resolve the parameters first)")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
             raise bad("n", f"must be an integer in [1, {self.MAX_N}], got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: prefill only, for the prompt's logprobs
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise bad("max_tokens", f"must be an integer >= {least}, got {self.max_tokens!r}"
+                      + ("" if least else " (0 only with prompt_logprobs)"))
+        if self.max_tokens == 0 and self.n > 1:
+            raise bad("n", "max_tokens 0 (prefill only) has no choices to fork: n must be 1")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

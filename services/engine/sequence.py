@@ -43,6 +43,8 @@ class Sequence:
         self._token_array = np.empty(0, dtype=np.int64)  # token_ids as an array, extended lazily
         self._token_array_len = 0
         self.logprobs: list[dict] = []
+        # Prompt logprobs (prompt_logprobs.PromptLogprob), for prompt tokens 1, 2, ... as computed.
+        self.prompt_logprobs: list = []
         self.num_emitted_tokens = 0  # output tokens already handed out in a step output
         # Speculative decoding (services.engine.spec_decode): this step's draft tokens, verified
         # after the last token; the proposer's own state; and the request's draft counts.

@@ -72,7 +72,7 @@ def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
         min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
         frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
-        structured=spec.structured, n=spec.n)
+        structured=spec.structured, n=spec.n, prompt_logprobs=spec.prompt_logprobs)
 
 
 class EngineWorker:
@@ -366,6 +366,9 @@ class EngineWorker:
                            replica_id=self.cfg.replica_id)
         if req.sampling.logprobs is not None:
             chunk.logprobs = [TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in last.new_logprobs]
+        if seq_no == 0 and last.prompt_logprobs is not None:
+            chunk.prompt_logprobs = [TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top, rank=e.rank)
+                                     for e in last.prompt_logprobs]
         completion = last.outputs[0]
         chunk.index, chunk.choices_running = completion.index, last.choices_running
         chunk.finish_reason = completion.finish_reason  # set on each choice's last output

@@ -287,7 +287,9 @@ class Migrator:
             if flow.migrations >= MAX_MIGRATIONS:
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; the stream already moved "
                                   f"{flow.migrations} times, the most it may")
-            if remaining < 1 or (gen.deadline is not None and gen.deadline <= time.time()):
+            # A prefill-only request (max_tokens 0, for its prompt logprobs) that streamed nothing yet runs again.
+            least = 0 if gen.sampling.prompt_logprobs is not None and flow.expected_seq == 0 else 1
+            if remaining < least or (gen.deadline is not None and gen.deadline <= time.time()):
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; nothing is left to continue")
             wait = self.bucket.delay()  # a burst of migrations waits its turn
             if gen.deadline is not None and time.time() + wait >= gen.deadline:

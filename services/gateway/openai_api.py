@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.choices import Choices, parse_choices, parse_prompts
+from services.gateway import prompt_logprobs
+from services.gateway.prompt_logprobs import PromptOptions
 from shared.layers import by_component, layer_timings
 from services.gateway.structured_outputs import parse_structured
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
@@ -104,6 +106,7 @@ class ParsedRequest:
     # (text, ids) (prompt_text / prompt_token_ids are the first's).
     choices: Choices = field(default_factory=Choices)
     prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
+    prompt: PromptOptions = field(default_factory=PromptOptions)  # echo, prompt_logprobs
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -140,8 +143,9 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
     if max_tokens is None:
         max_tokens = max_tokens_default
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
-        raise bad(f"'{param}' must be an integer in [1, 2**31)", param)
+    least = prompt_logprobs.min_max_tokens(body)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not least <= max_tokens < 2**31:
+        raise bad(f"'{param}' must be an integer in [{least}, 2**31)", param)
     top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
     if top_k == 0:
         raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
@@ -198,15 +202,15 @@ def parse_completion(body: Any) -> ParsedRequest:
     model, stream, include_usage = _common(body)
     prompts = parse_prompts(body.get("prompt"))
     text, ids = prompts[0]
-    if body.get("echo"):
-        raise bad("'echo' is not supported", "echo")
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
-    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
-                         choices=parse_choices(body, stream), prompts=prompts)
+    parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                           choices=parse_choices(body, stream), prompts=prompts)
+    parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
+    return parsed
 
 
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
@@ -242,6 +246,7 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
                            choices=parse_choices(body, stream))
     parsed.tools = parse_tools(body, parsed.sampling)
+    parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
     return parsed, clean
@@ -253,16 +258,6 @@ def usage_dict(chunk: TokenChunk) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def logprobs_completion(chunks: list[TokenChunk], decode) -> dict | None:
-    entries = [lp for c in chunks for lp in (c.logprobs or [])]
-    if not entries:
-        return None
-    return {"tokens": [decode(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{decode(t): v for t, v in e.top.items()} for e in entries],
-            "text_offset": []}
 
 
 def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
@@ -282,9 +277,12 @@ def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:
 
 
 def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                    logprobs: dict | None, usage: dict | None, chunk: bool) -> dict:
+                    logprobs: dict | None, usage: dict | None, chunk: bool, vllm_prompt_logprobs: list | None = None
+                    ) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if vllm_prompt_logprobs is not None:  # vLLM's prompt_logprobs, asked for
+        body["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs
     if usage is not None or not chunk:
         body["usage"] = usage
     return body

@@ -107,6 +107,14 @@ _BEST_OF = {"type": "integer", "minimum": 1, "maximum": 16,
 _BEST_OF_ALONE = _only_with("best_of", {"not": {"anyOf": [{"required": ["n"]}, {
     "properties": {"stream": {"const": True}}, "required": ["stream"]}]}})
 
+# Prompt logprobs (services.gateway.prompt_logprobs): max_tokens 0 scores the prompt only.
+_PROMPT_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20,
+                    "description": "vLLM's: top-n logprobs per prompt token, as `prompt_logprobs` in each choice"}
+_MAX_TOKENS_ZERO_SCORES_THE_PROMPT = {
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"anyOf": [{"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                       {"required": ["prompt_logprobs"]}]}}
+
 _USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
     "total_tokens": {"type": "integer"},
@@ -187,7 +195,8 @@ def openapi_spec(server_url: str = "") -> dict:
                 "Usage": _USAGE,
                 "CompletionRequest": {
                     "type": "object", "required": ["model", "prompt"],
-                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _BEST_OF_ALONE],
+                    "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _BEST_OF_ALONE,
+                              _MAX_TOKENS_ZERO_SCORES_THE_PROMPT],
                     "properties": {
                         "model": _MODEL,
                         "prompt": {"oneOf": [
@@ -199,9 +208,14 @@ def openapi_spec(server_url: str = "") -> dict:
                              "description": "a batch of prompts: one choice each (times n), in order"}]},
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
                         "best_of": _BEST_OF,
-                        "echo": {"const": False, "description": "not supported: only false"},
+                        "echo": {"type": "boolean", "description": "the prompt before the completion, in its "
+                                 "text and logprobs (then max_tokens may be 0)"},
+                        "prompt_logprobs": _PROMPT_LOGPROBS,
                         "suffix": {"enum": [None, ""], "description": "not supported"},
-                        **_SAMPLING}},
+                        **_SAMPLING,
+                        "max_tokens": {**_SAMPLING["max_tokens"], "minimum": 0,
+                                       "description": "0 only with echo or prompt_logprobs: the prompt is scored, "
+                                                      "nothing generated"}}},
                 "ChatCompletionRequest": {
                     "type": "object", "required": ["model", "messages"],
                     "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _TOOL_CHOICE_NEEDS_TOOLS, _BEST_OF_ALONE,
@@ -219,6 +233,9 @@ def openapi_spec(server_url: str = "") -> dict:
                         "logprobs": {"type": "boolean"},
                         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
                         **_TOOLS,
+                        "prompt_logprobs": {**_PROMPT_LOGPROBS, "description": "vLLM's: top-n logprobs per "
+                                            "prompt token, as `prompt_logprobs` in the response"},
+                        "echo": {"const": False, "description": "completions only"},
                         "best_of": _BEST_OF,
                         **_SAMPLING}},
             },

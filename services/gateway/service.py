@@ -35,6 +35,7 @@ from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
 from services.gateway.openapi import openapi_spec
+from services.gateway.prompt_logprobs import PromptParts
 from services.gateway.replica_info import replica_precision
 from shared import http, http_limits, protocol, registry
 from shared.bus import Bus, NatsAuth
@@ -86,6 +87,14 @@ class ServedModel:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def visible_text(self, token_id: int) -> str:
+        """What a token adds to a completion's text (special tokens are skipped): text_offset."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+    def decode_text(self, ids: list[int]) -> str:
+        """A token-id prompt as echoed."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def load_served_model(name: str, path: str, tool_call_parser: str | None = None) -> ServedModel:
@@ -718,6 +727,7 @@ class GatewayService:
         bodies, finals = [], []
         created = oa.now()
         rid = legs[0].gen.request_id
+        parts, first_chunks = self._prompt_parts(parsed, model, legs), []
         for prompt_no, leg in enumerate(legs):  # each leg's chunks wait in its queue meanwhile
             chunks = []
             async for chunk in self._chunks(leg):
@@ -726,30 +736,42 @@ class GatewayService:
                     raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
                 chunks.append(chunk)
             finals.append(chunks[-1])
+            first_chunks.append(chunks[0])
+            for chunk in chunks:
+                parts.note(prompt_no, chunk)
             grouped = choices.by_choice(chunks)
             picked = choices.best(grouped, n) if parsed.choices.selects else list(grouped.values())
             for k, choice_chunks in enumerate(picked):
                 if parsed.choices.selects and parsed.sampling.logprobs is None:  # asked for ranking only
                     choice_chunks = [dataclasses.replace(c, logprobs=None) for c in choice_chunks]
-                text = "".join(c.text for c in choice_chunks)
                 last = next(c for c in reversed(choice_chunks) if c.finish_reason is not None)
+                index = choices.response_index(prompt_no, k, n)
                 if parsed.chat:
-                    body = oa.chat_body(f"chatcmpl-{rid}", model.name, created, text, last.finish_reason,
+                    body = oa.chat_body(f"chatcmpl-{rid}", model.name, created, "".join(c.text for c in choice_chunks),
+                                        last.finish_reason,
                                         oa.logprobs_chat(choice_chunks, model.decode_token, parsed.logprobs or 0), None)
                     if parsed.tools is not None:
-                        tools.reply_choice(body["choices"][0], parsed.tools, text)
-                else:
-                    body = oa.completion_body(f"cmpl-{rid}", model.name, created, text, last.finish_reason,
-                                              oa.logprobs_completion(choice_chunks, model.decode_token), None,
-                                              chunk=False)
-                bodies.append((choices.response_index(prompt_no, k, n), body))
+                        tools.reply_choice(body["choices"][0], parsed.tools, body["choices"][0]["message"]["content"])
+                else:  # the prompt's parts (echo, prompt logprobs) come first
+                    text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, choice_chunks)
+                    body = oa.completion_body(f"cmpl-{rid}", model.name, created, text, last.finish_reason, logprobs,
+                                              None, chunk=False, vllm_prompt_logprobs=vllm_prompt_logprobs)
+                bodies.append((index, body))
         body = choices.merge_bodies(bodies)
+        if parsed.chat:  # vLLM's place for prompt_logprobs in a chat response
+            body.update(parts.chat_fields(0, first_chunks[0]))
         body["usage"] = oa.usage_dict(TokenChunk(request_id=rid, seq=0, usage=choices.total_usage(finals)))
         extensions = [self._finished(body["id"], model, leg.gen, final, first_at) for leg, final in zip(legs, finals)]
         body["strata"] = extensions[0]
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return web.json_response(body, headers={"x-request-id": rid,
                                                 "x-strata-timings": json.dumps(extensions[0]["timings"])})
+
+    @staticmethod
+    def _prompt_parts(parsed: ParsedRequest, model: ServedModel, legs: list["Leg"]) -> PromptParts:
+        texts = [text for text, _ in parsed.prompts] or [None] * len(legs)  # chat: the rendered template's ids
+        return PromptParts(parsed.prompt, parsed.logprobs if not parsed.chat else None,
+                           [(text, leg.ids) for text, leg in zip(texts, legs)], model)
 
     def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
                   first_at: float) -> dict:
@@ -799,6 +821,7 @@ class GatewayService:
                 await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""},
                                                             None, None), index), **usage_null})
         finals, legs_open = [], len(legs)
+        parts = self._prompt_parts(parsed, model, legs)
         async with contextlib.aclosing(self._merged(legs)) as stream:
             async for prompt_no, chunk in stream:
                 if chunk.error is not None:  # after the first byte: in band, and the stream ends
@@ -825,16 +848,21 @@ class GatewayService:
                         if tool_parsers[index] is not None:
                             deltas, finish = tools.stream_deltas(tool_parsers[index], chunk.text, choice_done, finish,
                                                                  logprobs is not None)
+                    prompt_fields = parts.chat_fields(prompt_no, chunk)  # vLLM's prompt_logprobs, once
+                    if prompt_fields and not deltas:
+                        deltas = [{}]
                     for i, delta in enumerate(deltas):
                         last = i == len(deltas) - 1
                         await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, delta,
                                                                     finish if last else None,
                                                                     logprobs if i == 0 else None), index),
-                                    **usage_null, **(on_last if last else {})})
-                else:
-                    logprobs = oa.logprobs_completion([chunk], model.decode_token)
-                    await send({**choices.indexed(oa.completion_body(rid, model.name, created, chunk.text,
-                                                                     chunk.finish_reason, logprobs, None, chunk=True),
+                                    **usage_null, **(on_last if last else {}),
+                                    **(prompt_fields if i == 0 else {})})
+                else:  # the prompt's parts (echo, prompt logprobs) come with the choice's first chunk
+                    text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, [chunk])
+                    await send({**choices.indexed(oa.completion_body(rid, model.name, created, text,
+                                                                     chunk.finish_reason, logprobs, None, chunk=True,
+                                                                     vllm_prompt_logprobs=vllm_prompt_logprobs),
                                                   index), **usage_null, **on_last})
         if parsed.include_usage:
             usage = oa.usage_dict(TokenChunk(request_id=gen.request_id, seq=0, usage=choices.total_usage(finals)))
