@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels import cpu as cpu_kernels
+from services.engine import logits_processors
 from services.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -102,6 +103,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
+    processors: logits_processors.LogitsProcessing | None = None  # logit_bias, bad_words, ...
 
 
 def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
@@ -134,6 +136,7 @@ class Sampler:
         greedy = [p.greedy for p in params]
         sampled = [i for i, g in enumerate(greedy) if not g]
         batch.all_greedy = not sampled
+        batch.processors = logits_processors.prepare(seqs, dev)
         penalized = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalized:
             batch.penalties = self._prepare_penalties(seqs, penalized)
@@ -202,6 +205,8 @@ class Sampler:
         candidates); penalties and whole-row sampling work on an fp32 copy."""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
+        if batch.processors is not None:
+            logits = logits_processors.apply(self._fp32(logits), batch.processors)
         if batch.penalties is not None:
             logits = self.apply_penalties(self._fp32(logits), batch)
         if batch.all_greedy:
@@ -235,6 +240,8 @@ class Sampler:
         the argmax. Dense fp32 [rows, vocab] (`logits` is left as it is): speculative decoding
         compares a target's and a draft's distributions with it."""
         x = logits[:, :self.vocab_size].to(torch.float32, copy=True)
+        if batch.processors is not None:
+            x = logits_processors.apply(x, batch.processors)
         if batch.penalties is not None:
             x = self.apply_penalties(x, batch)
         out = torch.zeros_like(x)
