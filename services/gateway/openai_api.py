@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway import request_fields
 from shared.layers import by_component, layer_timings
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
 
@@ -94,6 +95,8 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top-n to return (None: no logprobs)
     extra: dict = field(default_factory=dict)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    unknown_fields: list[str] = field(default_factory=list)  # ignored, counted (request_fields)
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -163,10 +166,11 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=optional_float("repetition_penalty", 0.0, 10.0, lo_open=True),
+        **request_fields.sampling_fields(body),
     )
 
 
-def _common(body: Any) -> tuple[str, bool, bool]:
+def _common(body: Any) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -182,11 +186,11 @@ def _common(body: Any) -> tuple[str, bool, bool]:
         raise bad("'stream_options' must be an object", "stream_options")
     if options and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return model, stream, bool(options.get("include_usage", False))
+    return model, stream, bool(options.get("include_usage", False)), request_fields.continuous_usage_stats(options)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body)
     prompt = body.get("prompt")
     text, ids = None, None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -209,11 +213,13 @@ def parse_completion(body: Any) -> ParsedRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
-    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    return ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                         continuous_usage=continuous_usage,
+                         unknown_fields=request_fields.unknown_fields("/v1/completions", body))
 
 
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -239,7 +245,9 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
         logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs)
+    parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
+                           continuous_usage=continuous_usage,
+                           unknown_fields=request_fields.unknown_fields("/v1/chat/completions", body))
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
     return parsed, clean
@@ -251,6 +259,12 @@ def usage_dict(chunk: TokenChunk) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage of a stream so far (stream_options.continuous_usage_stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def logprobs_completion(chunks: list[TokenChunk], decode) -> dict | None:

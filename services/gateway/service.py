@@ -25,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import openai_api as oa
-from services.gateway import tracing
+from services.gateway import request_fields, tracing, utility_api
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.lora import AdapterCatalog, LoraApi
@@ -89,6 +89,10 @@ def load_served_model(name: str, path: str) -> ServedModel:
                        int(config["vocab_size"]), int(time.time()))
 
 
+MAX_UNKNOWN_FIELD_NAMES = 256  # distinct names counted (and logged) by name: clients choose them
+OTHER_FIELDS = "_other"
+
+
 class GatewayMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -120,6 +124,10 @@ class GatewayMetrics:
         self.scheduler_verdicts = Counter("strata:gateway_scheduler_dead_verdicts",
                                           "Requests failed because the scheduler holding them fell silent.",
                                           registry=r)
+        self.unknown_fields = Counter("strata:gateway_unknown_request_fields",
+                                      "Request fields the endpoint does not know, ignored (as vLLM does), by "
+                                      f"endpoint and field name (past {MAX_UNKNOWN_FIELD_NAMES} names: "
+                                      f"{OTHER_FIELDS!r}).", ["endpoint", "field"], registry=r)
 
 
 class GatewayService:
@@ -154,6 +162,7 @@ class GatewayService:
         self.http_guard = ConnectionGuard(cfg.http, lambda reason: self.metrics.http_refusals.labels(reason).inc())
         self.metrics.connections.set_function(lambda: self.http_guard.open)
         self._listener: asyncio.AbstractServer | None = None
+        self._unknown_fields_seen: set[str] = set()  # logged once each
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -215,6 +224,10 @@ class GatewayService:
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model}", self.retrieve_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
@@ -403,13 +416,53 @@ class GatewayService:
 
     async def list_models(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
+        return web.json_response({"object": "list", "data": await self._model_cards()})
+
+    async def _model_cards(self) -> list[dict]:
+        """/v1/models entries: served models, deployment aliases (parent: the model they name), adapters."""
         replicas = await replica_precision(self.redis, list(self.models))  # each replica's quantization
-        return web.json_response({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "strata",
-             "max_model_len": m.max_model_len, **replicas[m.name]} for m in self.models.values()] + [
-            {"id": alias, "object": "model", "created": self.models[target].created, "owned_by": "strata",
-             "root": target, "max_model_len": self.models[target].max_model_len}
-            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()})
+        return [utility_api.model_card(m.name, m.created, str(m.path), None, m.max_model_len, **replicas[m.name])
+                for m in self.models.values()] + [
+            utility_api.model_card(alias, self.models[target].created, str(self.models[target].path), target,
+                                   self.models[target].max_model_len)
+            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the SDK's models.retrieve)."""
+        await self._authenticate(request)
+        name = request.match_info["model"]
+        card = next((c for c in await self._model_cards() if c["id"] == name), None)
+        if card is None:
+            raise utility_api.model_not_found(name)
+        return web.json_response(card)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, lambda body, model: (
+            utility_api.tokenize, body, model.tokenizer, model.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, lambda body, model: (
+            utility_api.detokenize, body, model.tokenizer, model.vocab_size))
+
+    async def _tokenizer_route(self, request: web.Request, call) -> web.Response:
+        """/tokenize and /detokenize: `call(body, model)` gives the pure function and its arguments."""
+        await self._authenticate(request)
+        raw = await self.http_guard.read_body(request)
+        body = parse_json(raw)
+        model = self._utility_model(utility_api.request_model(body))
+        return web.json_response(await self._off_loop(len(raw), *call(body, model)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response(utility_api.version())
+
+    def _utility_model(self, name: str | None) -> ServedModel:
+        """The model a /tokenize or /detokenize request names; unnamed: the only one served."""
+        if name is not None:
+            return self._model_and_adapter(name)[0]  # an adapter tokenizes as its base model
+        if len(self.models) != 1:
+            raise oa.bad(f"'model' is required: this gateway serves {len(self.models)} models", "model")
+        return next(iter(self.models.values()))
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -421,7 +474,20 @@ class GatewayService:
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
         parsed, model, ids, lora = await prompt_of(request)
+        self._count_unknown_fields(request.path, parsed.unknown_fields)
+        request_fields.check_token_ids(parsed.sampling, model.vocab_size)
         return await self._serve(request, key, parsed, model, ids, lora)
+
+    def _count_unknown_fields(self, endpoint: str, names: list[str]) -> None:
+        """Ignored, as vLLM does, but counted by name, and logged the first time each is seen."""
+        for name in names:
+            if name not in self._unknown_fields_seen:
+                if len(self._unknown_fields_seen) >= MAX_UNKNOWN_FIELD_NAMES:
+                    self.metrics.unknown_fields.labels(endpoint, OTHER_FIELDS).inc()
+                    continue
+                self._unknown_fields_seen.add(name)
+                log.warning("unknown request field ignored", endpoint=endpoint, field=name[:64])
+            self.metrics.unknown_fields.labels(endpoint, name).inc()
 
     @web.middleware
     async def _admission_middleware(self, request: web.Request, handler):
@@ -691,6 +757,7 @@ class GatewayService:
         created = oa.now()
         rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{gen.request_id}"
         usage_null = {"usage": None} if parsed.include_usage else {}
+        prompt_tokens, completion_tokens = len(gen.prompt_token_ids), 0
 
         async def send(obj: dict) -> None:
             try:
@@ -703,8 +770,9 @@ class GatewayService:
                 raise ClientGone("the client stopped reading the stream", 499) from None
 
         if parsed.chat:
+            role_usage = {"usage": oa.running_usage(prompt_tokens, 0)} if parsed.continuous_usage else usage_null
             await send({**oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""}, None, None),
-                        **usage_null})
+                        **role_usage})
         async for chunk in self._chunks(first, queue, gen):
             if chunk.error is not None:  # after the first byte: in band, and the stream ends
                 self._account(model.name, None, chunk.revision)
@@ -715,6 +783,10 @@ class GatewayService:
             if chunk.is_final:  # the strata extension: on the usage chunk if asked, else on the last one
                 extension = {"strata": self._finished(rid, model, gen, chunk, first_at)}
             on_last = {} if parsed.include_usage else extension
+            if parsed.continuous_usage:  # stream_options.continuous_usage_stats: the usage so far, every chunk
+                completion_tokens += len(chunk.token_ids)
+                on_last = {**on_last, "usage": oa.usage_dict(chunk) if chunk.is_final else oa.running_usage(
+                    prompt_tokens, completion_tokens)}
             if parsed.chat:
                 logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
                 delta = {"content": chunk.text} if chunk.text or not chunk.is_final else {}
