@@ -127,9 +127,9 @@ def openapi_spec(server_url: str = "") -> dict:
                     "$ref": "#/components/schemas/LoraAdapterRequest"}}}},
                 "responses": {"200": {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}},
                               **_errors(400, 401, 403, 404, 409)}}} for verb in ("load", "unload")},
-            "/v1/models/{model}": {"get": {
+            "/v1/models/{name}": {"get": {
                 "operationId": "retrieveModel",
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "The model's entry, as in /v1/models",
                                       "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Model"}}}},
                               **_errors(401, 404)}}},

@@ -224,7 +224,7 @@ class GatewayService:
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.list_models)
-        app.router.add_get("/v1/models/{model}", self.retrieve_model)
+        app.router.add_get("/v1/models/{name}", self.retrieve_model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
@@ -428,9 +428,9 @@ class GatewayService:
             for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{model} (the SDK's models.retrieve)."""
+        """GET /v1/models/{name} (the SDK's models.retrieve)."""
         await self._authenticate(request)
-        name = request.match_info["model"]
+        name = request.match_info["name"]
         card = next((c for c in await self._model_cards() if c["id"] == name), None)
         if card is None:
             raise utility_api.model_not_found(name)
