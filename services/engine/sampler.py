@@ -16,6 +16,9 @@ set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the
 passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
 read the logits in the model's dtype; elsewhere the same steps run as torch ops.
 
+Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
+min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
+
 Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
 (seed, output position, round), so a row's tokens depend on nothing else in the batch and a
 resumed stream needs no replay of earlier draws; other rows share the engine's generator.
