@@ -480,13 +480,13 @@ class GatewayService:
 
     def _count_unknown_fields(self, endpoint: str, names: list[str]) -> None:
         """Ignored, as vLLM does, but counted by name, and logged the first time each is seen."""
-        for name in names:
+        for name in (n[:64] for n in names):  # label values bounded in length and (below) in number
             if name not in self._unknown_fields_seen:
                 if len(self._unknown_fields_seen) >= MAX_UNKNOWN_FIELD_NAMES:
                     self.metrics.unknown_fields.labels(endpoint, OTHER_FIELDS).inc()
                     continue
                 self._unknown_fields_seen.add(name)
-                log.warning("unknown request field ignored", endpoint=endpoint, field=name[:64])
+                log.warning("unknown request field ignored", endpoint=endpoint, field=name)
             self.metrics.unknown_fields.labels(endpoint, name).inc()
 
     @web.middleware
