@@ -4,8 +4,8 @@
 tokenizes bad_words as vLLM does and fixes the ids min_tokens masks. `prepare(seqs, ...)` runs
 on the host in the sampler's `prepare`, each step, only over the rows that have one of these
 fields (None when no row has: nothing is built and nothing runs for the others); `apply` runs
-in the sampler's `sample` and `probs` on the logits' device, on the fp32 logits, before
-penalties and temperature / top-k / top-p.
+in the sampler's `sample` and `probs` on the logits' device, in place on those rows' entries
+only, before penalties and temperature / top-k / top-p.
 
 The order is vLLM's: the allowed set first (everything else -inf), then the banned ids
 (bad-word completions, and EOS / stop_token_ids while fewer than min_tokens were generated)
@@ -138,15 +138,19 @@ def prepare(seqs: list, device: torch.device) -> LogitsProcessing | None:
 
 
 def apply(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:
-    """The processors applied to `logits` ([rows, vocab] fp32) in place; returns it."""
+    """The processors applied to `logits` ([rows, vocab], the model's dtype or fp32) in place;
+    returns it. Only the processed rows' entries are touched (no copy of the batch): an allowed
+    row is filled with -inf and its allowed values put back; a bias is added in fp32 and
+    stored in the logits' dtype, the precision the logits themselves have."""
     if proc.allowed_rows is not None:
-        keep = torch.zeros((proc.allowed_rows.shape[0], logits.shape[1]), dtype=torch.bool, device=logits.device)
-        keep.scatter_(1, proc.allowed_ids, True)
-        rows = logits.index_select(0, proc.allowed_rows).masked_fill_(~keep, NEG_INF)
-        logits.index_copy_(0, proc.allowed_rows, rows)
+        rows = proc.allowed_rows.view(-1, 1).expand_as(proc.allowed_ids)
+        kept = logits[rows, proc.allowed_ids]
+        logits.index_fill_(0, proc.allowed_rows, NEG_INF)
+        logits.index_put_((rows, proc.allowed_ids), kept)
     if proc.banned_rows is not None:
         logits.index_put_((proc.banned_rows, proc.banned_ids),
                           torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
     if proc.bias_rows is not None:
-        logits.index_put_((proc.bias_rows, proc.bias_ids), proc.bias_values.to(logits.dtype), accumulate=True)
+        biased = logits[proc.bias_rows, proc.bias_ids].float() + proc.bias_values
+        logits.index_put_((proc.bias_rows, proc.bias_ids), biased.to(logits.dtype))
     return logits

@@ -208,8 +208,8 @@ class Sampler:
         candidates); penalties and whole-row sampling work on an fp32 copy."""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
-        if batch.processors is not None:
-            logits = logits_processors.apply(self._fp32(logits), batch.processors)
+        if batch.processors is not None:  # in place, in the logits' dtype (`logits` may be overwritten)
+            logits = logits_processors.apply(logits, batch.processors)
         if batch.penalties is not None:
             logits = self.apply_penalties(self._fp32(logits), batch)
         if batch.all_greedy:
