@@ -370,6 +370,13 @@ class SamplingSpec(Message):
     # Prompt logprobs: top-n per prompt position (0 = only the prompt token's own), on the first
     # chunk; with them, max_tokens may be 0 (prefill only).
     prompt_logprobs: int | None = None
+    # Fields (issue 18), vLLM's names: logits processors, and how the text is made.
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0  # EOS and stop_token_ids masked until this many were generated
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 @dataclass

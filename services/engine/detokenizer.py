@@ -26,12 +26,14 @@ class IncrementalDetokenizer:
         self.read_offset = len(prompt_token_ids)
         self.output_text = ""
         self.sent_offset = 0  # characters of output_text already returned by take_delta()
+        self.stopped = False  # a stop string ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def append(self, all_token_ids: list[int]) -> bool:
-        """Account for newly appended tokens; returns True when a stop string was found."""
+    def append(self, all_token_ids: list[int], check_stop: bool = True) -> bool:
+        """Account for newly appended tokens; returns True when a stop string was found
+        (never with check_stop False: min_tokens not reached yet)."""
         prefix_text = self._decode(all_token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(all_token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(all_token_ids)
         start = max(len(self.output_text) - self.holdback, 0)
         self.output_text += delta
-        if not self.stop:
+        if not self.stop or not check_stop:
             return False
         best = -1
         for s in self.stop:  # earliest match in the region the new text can complete
@@ -51,7 +53,19 @@ class IncrementalDetokenizer:
         if best == -1:
             return False
         self.output_text = self.output_text[:best + (len(match) if self.include_stop else 0)]
+        self.stopped = True
         return True
+
+    def flush(self, all_token_ids: list[int]) -> None:
+        """At the end of a request that no stop string ended: the text of tokens still held
+        back for an incomplete UTF-8 character, as the tokenizer decodes it (U+FFFD), so the
+        whole output equals the tokenizer's decode of the same ids."""
+        if self.stopped or self.read_offset >= len(all_token_ids):
+            return
+        prefix_text = self._decode(all_token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(all_token_ids[self.prefix_offset:])
+        self.output_text += new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(all_token_ids)
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet returned; while running, keep back what may start a stop string."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.engine import logits_processors
 from services.engine.model_config import ModelConfig
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -42,6 +43,7 @@ class InputProcessor:
                 f"length is {self.max_model_len} tokens", "prompt")
         params = params.resolved(self.generation_defaults)
         params.validate(self.config.vocab_size)
+        params = logits_processors.resolve(params, self.tokenizer, self.config.eos_token_ids, self.config.vocab_size)
         if params.structured is not None:
             self.structured.compile(params.structured)  # InvalidRequestError if it cannot be
         return text, ids, params

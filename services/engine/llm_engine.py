@@ -253,7 +253,7 @@ class LLMEngine:
         reason = None
         if params.stop or self.streaming:
             t = time.perf_counter()
-            stopped = seq.detokenizer.append(seq.token_ids)
+            stopped = seq.detokenizer.append(seq.token_ids, seq.num_output_tokens >= params.min_tokens)
             self._detok_s += time.perf_counter() - t
             if stopped:
                 reason = "stop"
@@ -294,6 +294,8 @@ class LLMEngine:
         if finished and not (seq.params.stop or self.streaming):
             seq.detokenizer.output_text = self.tokenizer.backend_tokenizer.decode(
                 seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        elif finished:  # text held back for an incomplete character: as the tokenizer decodes it
+            seq.detokenizer.flush(seq.token_ids)
         delta = seq.detokenizer.take_delta(finished)
         self._detok_s += time.perf_counter() - t
         group, choices_running = seq.group, 0

@@ -16,6 +16,9 @@ set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the
 passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
 read the logits in the model's dtype; elsewhere the same steps run as torch ops.
 
+Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
+min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
+
 Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
 (seed, output position, round), so a row's tokens depend on nothing else in the batch and a
 resumed stream needs no replay of earlier draws; other rows share the engine's generator.
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from kernels import cpu as cpu_kernels
+from services.engine import logits_processors
 from services.engine.sequence import Sequence
 from services.engine.structured import apply_masks as structured_masks
 
@@ -104,6 +108,7 @@ class SamplingBatch:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
     grammar_masks: object = None  # structured outputs: structured.StepMasks, or None
+    processors: logits_processors.LogitsProcessing | None = None  # logit_bias, bad_words, ...
 
 
 def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
@@ -139,6 +144,7 @@ class Sampler:
         batch.all_greedy = not sampled
         if self.structured is not None:
             batch.grammar_masks = self.structured.prepare_masks(seqs, dev)
+        batch.processors = logits_processors.prepare(seqs, dev)
         penalized = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalized:
             batch.penalties = self._prepare_penalties(seqs, penalized)
@@ -207,7 +213,9 @@ class Sampler:
         candidates); penalties and whole-row sampling work on an fp32 copy."""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
-        if batch.grammar_masks is not None:  # after the raw logprobs, before everything else
+        if batch.processors is not None:  # in place, in the logits' dtype (`logits` may be overwritten)
+            logits = logits_processors.apply(logits, batch.processors)
+        if batch.grammar_masks is not None:  # after the processors: the grammar has the last word
             logits = structured_masks(logits, batch.grammar_masks, self.vocab_size)
         if batch.penalties is not None:
             logits = self.apply_penalties(self._fp32(logits), batch)
@@ -242,6 +250,8 @@ class Sampler:
         the argmax. Dense fp32 [rows, vocab] (`logits` is left as it is): speculative decoding
         compares a target's and a draft's distributions with it."""
         x = logits[:, :self.vocab_size].to(torch.float32, copy=True)
+        if batch.processors is not None:
+            x = logits_processors.apply(x, batch.processors)
         if batch.grammar_masks is not None:
             x = structured_masks(x, batch.grammar_masks, self.vocab_size)
         if batch.penalties is not None:

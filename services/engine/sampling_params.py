@@ -47,9 +47,18 @@ class SamplingParams:
     # Prompt logprobs (services.engine.prompt_logprobs): top-n per prompt position (0 = only the
     # prompt token's own); with them, max_tokens=0 means prefill only.
     prompt_logprobs: int | None = None
+    # Logits processors (services/engine/logits_processors.py), with vLLM's names.
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (as words: with and without a leading space)
+    min_tokens: int = 0  # EOS and stop_token_ids masked (and stop strings not checked) until this many
+    # Filled when the request is added (logits_processors.resolve), read by the sampler.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    min_tokens_masked_ids: list[int] = field(default_factory=list, repr=False)
 
     MAX_LOGPROBS = 20
     MAX_N = 256  # bounds the sequences one request creates (the gateway's own limit, --max-n, is lower)
+    MAX_LOGIT_BIAS = 100.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,3 +124,30 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise bad("stop_token_ids", f"token id {t!r} outside the vocabulary [0, {vocab_size})")
+        self._validate_processors(vocab_size, bad)
+
+    def _validate_processors(self, vocab_size: int, bad) -> None:
+        def token_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to biases")
+            for t, b in self.logit_bias.items():
+                if not token_id(t):
+                    raise bad("logit_bias", f"token id {t!r} outside the vocabulary [0, {vocab_size})")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not (
+                        -self.MAX_LOGIT_BIAS <= b <= self.MAX_LOGIT_BIAS):
+                    raise bad("logit_bias", f"bias of token {t} must be in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                if not token_id(t):
+                    raise bad("allowed_token_ids", f"token id {t!r} outside the vocabulary [0, {vocab_size})")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
+                0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")

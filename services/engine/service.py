@@ -72,7 +72,10 @@ def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
         min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
         frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
-        structured=spec.structured, n=spec.n, prompt_logprobs=spec.prompt_logprobs)
+        structured=spec.structured, n=spec.n, prompt_logprobs=spec.prompt_logprobs,
+        logit_bias=spec.logit_bias, allowed_token_ids=spec.allowed_token_ids, bad_words=spec.bad_words,
+        min_tokens=spec.min_tokens, skip_special_tokens=spec.skip_special_tokens,
+        include_stop_str_in_output=spec.include_stop_str_in_output)
 
 
 class EngineWorker:

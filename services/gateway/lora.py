@@ -20,6 +20,7 @@ from services.engine.config import EngineArgs
 from services.engine.lora import LoRAAdapterError, inspect_adapter
 from services.engine.model_config import ModelConfig
 from services.gateway.openai_api import ApiError
+from services.gateway.utility_api import model_card
 from shared import adapters, protocol, registry
 from shared.adapters import Adapter
 from shared.logging import get_logger
@@ -62,8 +63,7 @@ class AdapterCatalog:
     def model_entries(self) -> list[dict]:
         """/v1/models entries of every adapter: id, parent (the base model) and root (its path)."""
         served = self.served()
-        return [{"id": name, "object": "model", "created": served[model].created, "owned_by": "strata",
-                 "parent": model, "root": a.path, "max_model_len": served[model].max_model_len}
+        return [model_card(name, served[model].created, a.path, model, served[model].max_model_len)
                 for model, entries in sorted(self.by_model.items()) if model in served
                 for name, a in sorted(entries.items())]
 

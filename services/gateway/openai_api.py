@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from services.gateway.choices import Choices, parse_choices, parse_prompts
 from services.gateway import prompt_logprobs
 from services.gateway.prompt_logprobs import PromptOptions
+from services.gateway import request_fields
 from shared.layers import by_component, layer_timings
 from services.gateway.structured_outputs import parse_structured
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
@@ -107,6 +108,8 @@ class ParsedRequest:
     choices: Choices = field(default_factory=Choices)
     prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
     prompt: PromptOptions = field(default_factory=PromptOptions)  # echo, prompt_logprobs
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    unknown_fields: list[str] = field(default_factory=list)  # ignored, counted (request_fields)
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -178,10 +181,11 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=optional_float("repetition_penalty", 0.0, 10.0, lo_open=True),
         structured=parse_structured(body),
+        **request_fields.sampling_fields(body),
     )
 
 
-def _common(body: Any) -> tuple[str, bool, bool]:
+def _common(body: Any) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -195,11 +199,11 @@ def _common(body: Any) -> tuple[str, bool, bool]:
         raise bad("'stream_options' must be an object", "stream_options")
     if options and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return model, stream, bool(options.get("include_usage", False))
+    return model, stream, bool(options.get("include_usage", False)), request_fields.continuous_usage_stats(options)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body)
     prompts = parse_prompts(body.get("prompt"))
     text, ids = prompts[0]
     if body.get("suffix"):
@@ -208,7 +212,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     if logprobs is not None:
         logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
-                           choices=parse_choices(body, stream), prompts=prompts)
+                           choices=parse_choices(body, stream), prompts=prompts, continuous_usage=continuous_usage,
+                           unknown_fields=request_fields.unknown_fields("/v1/completions", body))
     parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
     return parsed
 
@@ -216,7 +221,7 @@ def parse_completion(body: Any) -> ParsedRequest:
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     from services.gateway.tools import message_tool_fields, parse_tools  # (tools.py imports this module)
 
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -244,7 +249,8 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
-                           choices=parse_choices(body, stream))
+                           choices=parse_choices(body, stream), continuous_usage=continuous_usage,
+                           unknown_fields=request_fields.unknown_fields("/v1/chat/completions", body))
     parsed.tools = parse_tools(body, parsed.sampling)
     parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
@@ -258,6 +264,12 @@ def usage_dict(chunk: TokenChunk) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage of a stream so far (stream_options.continuous_usage_stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def logprobs_chat(chunks: list[TokenChunk], decode, top_n: int) -> dict | None:

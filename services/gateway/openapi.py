@@ -52,9 +52,26 @@ _SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 16,
           "description": "choices per prompt (at most the gateway's --max-n, default 16)"},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+                                                        "continuous_usage_stats": {
+                                                            "type": "boolean",
+                                                            "description": "the usage so far on every chunk"}},
                        "description": "only with stream: true"},
     "user": {"type": "string"},
+    # Logits processors and text options, vLLM's names (services/gateway/request_fields.py).
+    "logit_bias": {"type": "object", "maxProperties": 1024,
+                   "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id (a string of digits, inside the vocabulary) -> bias added to its logit"},
+    "allowed_token_ids": {"type": "array", "items": TOKEN_ID, "minItems": 1,
+                          "description": "only these tokens may be generated (inside the vocabulary)"},
+    "bad_words": {"type": "array", "maxItems": 256, "items": {"type": "string", "pattern": "\\S"},
+                  "description": "words never generated (with and without a leading space)"},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": INT32_MAX,
+                   "description": "EOS and stop_token_ids masked, stop strings unchecked, until this many "
+                                  "tokens (at most max_tokens)"},
+    "skip_special_tokens": {"type": "boolean"},
+    "include_stop_str_in_output": {"type": "boolean"},
 }
 _MODEL = {"type": "string", "minLength": 1}
 
@@ -179,6 +196,35 @@ def openapi_spec(server_url: str = "") -> dict:
                     "$ref": "#/components/schemas/LoraAdapterRequest"}}}},
                 "responses": {"200": {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}},
                               **_errors(400, 401, 403, 404, 409)}}} for verb in ("load", "unload")},
+            "/v1/models/{name}": {"get": {
+                "operationId": "retrieveModel",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The model's entry, as in /v1/models",
+                                      "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Model"}}}},
+                              **_errors(401, 404)}}},
+            "/tokenize": {"post": {
+                "operationId": "tokenize", "description": "vLLM's /tokenize: a prompt, or chat messages as rendered "
+                                                          "by the model's chat template.",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "$ref": "#/components/schemas/TokenizeRequest"}}}},
+                "responses": {"200": {"description": "The token ids", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+                        "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                        "tokens": {"type": "array", "items": {"type": "integer"}},
+                        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}}}}},
+                              **_errors(400, 401, 404, 408, 413)}}},
+            "/detokenize": {"post": {
+                "operationId": "detokenize", "description": "vLLM's /detokenize.",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["tokens"], "properties": {
+                        "model": _MODEL, "tokens": {"type": "array", "items": TOKEN_ID}}}}}},
+                "responses": {"200": {"description": "The text", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
+                              **_errors(400, 401, 404, 408, 413)}}},
+            "/version": {"get": {"operationId": "version", "responses": {
+                "200": {"description": "The server's version", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}},
+                **_errors(401)}}},
             "/health": {"get": {"operationId": "health", "security": [],
                                 "responses": {"200": {"description": "Healthy"}, "503": {"description": "Degraded"}}}},
             "/metrics": {"get": {"operationId": "metrics", "security": [],
@@ -193,6 +239,20 @@ def openapi_spec(server_url: str = "") -> dict:
                     "lora_name": {"type": "string"}, "lora_path": {"type": "string", "description": "load only (refused by unload)"},
                     "model": {"type": "string", "description": "the base model (when the gateway serves several)"}}},
                 "Usage": _USAGE,
+                "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+                    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                    "owned_by": {"type": "string"}, "root": {"type": ["string", "null"]},
+                    "parent": {"type": ["string", "null"]}, "max_model_len": {"type": ["integer", "null"]},
+                    "permission": {"type": "array", "items": {"type": "object"}}}},
+                "TokenizeRequest": {"oneOf": [
+                    {"type": "object", "required": ["prompt"], "not": {"required": ["messages"]}, "properties": {
+                        "model": _MODEL, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
+                        "return_token_strs": {"type": "boolean"}}},
+                    {"type": "object", "required": ["messages"], "not": {"required": ["prompt"]}, "properties": {
+                        "model": _MODEL, "messages": {
+                            "$ref": "#/components/schemas/ChatCompletionRequest/properties/messages"},
+                        "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
+                        "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}}]},
                 "CompletionRequest": {
                     "type": "object", "required": ["model", "prompt"],
                     "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _BEST_OF_ALONE,

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway import choices
 from services.gateway import openai_api as oa
-from services.gateway import tools, tracing
+from services.gateway import request_fields, tools, tracing, utility_api
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
 from services.gateway.lora import AdapterCatalog, LoraApi
@@ -106,6 +106,10 @@ def load_served_model(name: str, path: str, tool_call_parser: str | None = None)
                        int(config["vocab_size"]), int(time.time()), tool_call_parser)
 
 
+MAX_UNKNOWN_FIELD_NAMES = 256  # distinct names counted (and logged) by name: clients choose them
+OTHER_FIELDS = "_other"
+
+
 class GatewayMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -137,6 +141,10 @@ class GatewayMetrics:
         self.scheduler_verdicts = Counter("strata:gateway_scheduler_dead_verdicts",
                                           "Requests failed because the scheduler holding them fell silent.",
                                           registry=r)
+        self.unknown_fields = Counter("strata:gateway_unknown_request_fields",
+                                      "Request fields the endpoint does not know, ignored (as vLLM does), by "
+                                      f"endpoint and field name (past {MAX_UNKNOWN_FIELD_NAMES} names: "
+                                      f"{OTHER_FIELDS!r}).", ["endpoint", "field"], registry=r)
 
 
 class GatewayService:
@@ -171,6 +179,7 @@ class GatewayService:
         self.http_guard = ConnectionGuard(cfg.http, lambda reason: self.metrics.http_refusals.labels(reason).inc())
         self.metrics.connections.set_function(lambda: self.http_guard.open)
         self._listener: asyncio.AbstractServer | None = None
+        self._unknown_fields_seen: set[str] = set()  # logged once each
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -234,6 +243,10 @@ class GatewayService:
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{name}", self.retrieve_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
@@ -424,13 +437,53 @@ class GatewayService:
 
     async def list_models(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
+        return web.json_response({"object": "list", "data": await self._model_cards()})
+
+    async def _model_cards(self) -> list[dict]:
+        """/v1/models entries: served models, deployment aliases (parent: the model they name), adapters."""
         replicas = await replica_precision(self.redis, list(self.models))  # each replica's quantization
-        return web.json_response({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "strata",
-             "max_model_len": m.max_model_len, **replicas[m.name]} for m in self.models.values()] + [
-            {"id": alias, "object": "model", "created": self.models[target].created, "owned_by": "strata",
-             "root": target, "max_model_len": self.models[target].max_model_len}
-            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()})
+        return [utility_api.model_card(m.name, m.created, str(m.path), None, m.max_model_len, **replicas[m.name])
+                for m in self.models.values()] + [
+            utility_api.model_card(alias, self.models[target].created, str(self.models[target].path), target,
+                                   self.models[target].max_model_len)
+            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{name} (the SDK's models.retrieve)."""
+        await self._authenticate(request)
+        name = request.match_info["name"]
+        card = next((c for c in await self._model_cards() if c["id"] == name), None)
+        if card is None:
+            raise utility_api.model_not_found(name)
+        return web.json_response(card)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, lambda body, model: (
+            utility_api.tokenize, body, model.tokenizer, model.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, lambda body, model: (
+            utility_api.detokenize, body, model.tokenizer, model.vocab_size))
+
+    async def _tokenizer_route(self, request: web.Request, call) -> web.Response:
+        """/tokenize and /detokenize: `call(body, model)` gives the pure function and its arguments."""
+        await self._authenticate(request)
+        raw = await self.http_guard.read_body(request)
+        body = parse_json(raw)
+        model = self._utility_model(utility_api.request_model(body))
+        return web.json_response(await self._off_loop(len(raw), *call(body, model)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response(utility_api.version())
+
+    def _utility_model(self, name: str | None) -> ServedModel:
+        """The model a /tokenize or /detokenize request names; unnamed: the only one served."""
+        if name is not None:
+            return self._model_and_adapter(name)[0]  # an adapter tokenizes as its base model
+        if len(self.models) != 1:
+            raise oa.bad(f"'model' is required: this gateway serves {len(self.models)} models", "model")
+        return next(iter(self.models.values()))
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -442,7 +495,20 @@ class GatewayService:
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
         parsed, model, prompts, lora = await prompt_of(request)
+        self._count_unknown_fields(request.path, parsed.unknown_fields)
+        request_fields.check_token_ids(parsed.sampling, model.vocab_size)
         return await self._serve(request, key, parsed, model, prompts, lora)
+
+    def _count_unknown_fields(self, endpoint: str, names: list[str]) -> None:
+        """Ignored, as vLLM does, but counted by name, and logged the first time each is seen."""
+        for name in (n[:64] for n in names):  # label values bounded in length and (below) in number
+            if name not in self._unknown_fields_seen:
+                if len(self._unknown_fields_seen) >= MAX_UNKNOWN_FIELD_NAMES:
+                    self.metrics.unknown_fields.labels(endpoint, OTHER_FIELDS).inc()
+                    continue
+                self._unknown_fields_seen.add(name)
+                log.warning("unknown request field ignored", endpoint=endpoint, field=name)
+            self.metrics.unknown_fields.labels(endpoint, name).inc()
 
     @web.middleware
     async def _admission_middleware(self, request: web.Request, handler):
@@ -804,6 +870,7 @@ class GatewayService:
         rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{gen.request_id}"
         usage_null = {"usage": None} if parsed.include_usage else {}
         n = parsed.choices.n
+        prompt_tokens, completion_tokens = sum(len(leg.ids) for leg in legs), 0  # continuous usage stats
 
         async def send(obj: dict) -> None:
             try:
@@ -817,9 +884,10 @@ class GatewayService:
 
         tool_parsers: dict = {}  # chat with tools: each choice's tool call parser, by response index
         if parsed.chat:
+            role_usage = {"usage": oa.running_usage(prompt_tokens, 0)} if parsed.continuous_usage else usage_null
             for index in range(len(legs) * n):
                 await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""},
-                                                            None, None), index), **usage_null})
+                                                            None, None), index), **role_usage})
         finals, legs_open = [], len(legs)
         parts = self._prompt_parts(parsed, model, legs)
         async with contextlib.aclosing(self._merged(legs)) as stream:
@@ -838,6 +906,10 @@ class GatewayService:
                 # The strata extension: on the usage chunk if asked, else on the last one.
                 on_last = {} if parsed.include_usage or legs_open else extension
                 choice_done = chunk.finish_reason is not None
+                usage_now = usage_null
+                if parsed.continuous_usage:  # stream_options.continuous_usage_stats: the usage so far, every chunk
+                    completion_tokens += len(chunk.token_ids)
+                    usage_now = {"usage": oa.running_usage(prompt_tokens, completion_tokens)}
                 if parsed.chat:
                     logprobs = oa.logprobs_chat([chunk], model.decode_token, parsed.logprobs or 0)
                     deltas = [{"content": chunk.text} if chunk.text or not choice_done else {}]
@@ -856,14 +928,14 @@ class GatewayService:
                         await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, delta,
                                                                     finish if last else None,
                                                                     logprobs if i == 0 else None), index),
-                                    **usage_null, **(on_last if last else {}),
+                                    **usage_now, **(on_last if last else {}),
                                     **(prompt_fields if i == 0 else {})})
                 else:  # the prompt's parts (echo, prompt logprobs) come with the choice's first chunk
                     text, logprobs, vllm_prompt_logprobs = parts.completion(prompt_no, index, [chunk])
                     await send({**choices.indexed(oa.completion_body(rid, model.name, created, text,
                                                                      chunk.finish_reason, logprobs, None, chunk=True,
                                                                      vllm_prompt_logprobs=vllm_prompt_logprobs),
-                                                  index), **usage_null, **on_last})
+                                                  index), **usage_now, **on_last})
         if parsed.include_usage:
             usage = oa.usage_dict(TokenChunk(request_id=gen.request_id, seq=0, usage=choices.total_usage(finals)))
             await send({**oa.usage_chunk(rid, model.name, created, parsed.chat, usage), **extension})

@@ -159,4 +159,5 @@ def test_no_route_reads_a_request_by_id():
     for app, method, path in routes():
         assert "{" not in path or app == "control" and (path.startswith("/api/v1/deployments/{name}")
                                                         or path.startswith("/api/v1/pools/{name}")
-                                                        or path == "/api/v1/keys/{id}"), path  # an API key's id
+                                                        or path == "/api/v1/keys/{id}") or (  # an API key's id
+            app == "gateway" and path == "/v1/models/{name}"), path  # a served model's name

@@ -1,0 +1,133 @@
+"""Request fields at the gateway (pure, no I/O): the table of every field each endpoint knows,
+and the parsing of the logits-processor and text fields (vLLM's names) into SamplingSpec.
+
+The rule: a known field is honoured or refused with a 400 naming it. Any other field is ignored,
+as vLLM does, and reported by `unknown_fields` so the service counts it in a metric and logs it
+once per name (a client's typo, or a feature this gateway lacks, is visible, not silent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway import openai_api as oa  # its ApiError (a module import: openai_api imports this one)
+
+MAX_LOGIT_BIAS = 100.0
+MAX_BIASED_TOKENS = 1024  # logit_bias entries per request (OpenAI allows 300)
+MAX_BAD_WORDS = 256
+MAX_ALLOWED_TOKEN_IDS = 2**20
+TOKEN_ID_LIMIT = 2**31  # the model's vocabulary bounds them exactly once it is known (check_token_ids)
+
+# Fields of both generation endpoints: sampling (OpenAI's and vLLM's), output, the other parts
+# of issue 18 (structured outputs, n / best_of, prompt logprobs), and `user` (informational).
+_SHARED = {
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+    "best_of", "stream", "stream_options", "user", "logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "echo",
+}
+KNOWN_FIELDS: dict[str, frozenset[str]] = {
+    "/v1/completions": frozenset(_SHARED | {"prompt", "suffix"}),
+    "/v1/chat/completions": frozenset(_SHARED | {"messages", "top_logprobs", "tools", "tool_choice",
+                                                 "parallel_tool_calls"}),
+}
+KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+
+
+def unknown_fields(endpoint: str, body: dict) -> list[str]:
+    """The body's fields `endpoint` does not know (stream_options' as `stream_options.NAME`)."""
+    known = KNOWN_FIELDS[endpoint]
+    unknown = [name for name in body if name not in known]
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        unknown += [f"stream_options.{name}" for name in options if name not in KNOWN_STREAM_OPTIONS]
+    return unknown
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_ID_LIMIT
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise oa.bad(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """{token id: bias}: JSON keys are strings of digits (OpenAI's form); biases in [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > MAX_BIASED_TOKENS:
+        raise oa.bad(f"'logit_bias' must be an object of at most {MAX_BIASED_TOKENS} token ids to biases",
+                  "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not _is_token_id(token):
+            raise oa.bad(f"'logit_bias' keys must be token ids (strings of digits), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise oa.bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                      "logit_bias")
+        out[token] = float(value)
+    return out or None
+
+
+def _allowed_token_ids(body: dict) -> list[int] | None:
+    raw = body.get("allowed_token_ids")
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or not raw or len(raw) > MAX_ALLOWED_TOKEN_IDS
+            or not all(_is_token_id(t) for t in raw)):
+        raise oa.bad("'allowed_token_ids' must be a non-empty list of token ids", "allowed_token_ids")
+    return raw
+
+
+def _bad_words(body: dict) -> list[str] | None:
+    raw = body.get("bad_words")
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = [raw]
+    if (not isinstance(raw, list) or len(raw) > MAX_BAD_WORDS
+            or not all(isinstance(w, str) and w.strip() for w in raw)):
+        raise oa.bad(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings", "bad_words")
+    return raw or None
+
+
+def _min_tokens(body: dict) -> int:
+    value = body.get("min_tokens", 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise oa.bad("'min_tokens' must be an integer in [0, 2**31) (and at most max_tokens)", "min_tokens")
+    return value
+
+
+def sampling_fields(body: dict) -> dict[str, Any]:
+    """The SamplingSpec fields of this module, parsed from a request body."""
+    return {"logit_bias": _logit_bias(body), "allowed_token_ids": _allowed_token_ids(body),
+            "bad_words": _bad_words(body), "min_tokens": _min_tokens(body),
+            "skip_special_tokens": _flag(body, "skip_special_tokens", True),
+            "include_stop_str_in_output": _flag(body, "include_stop_str_in_output", False)}
+
+
+def continuous_usage_stats(options: dict) -> bool:
+    value = options.get("continuous_usage_stats", False)
+    if not isinstance(value, bool):
+        raise oa.bad("'stream_options.continuous_usage_stats' must be a boolean", "stream_options")
+    return value
+
+
+def check_token_ids(spec, vocab_size: int) -> None:
+    """The token ids of logit_bias and allowed_token_ids inside the model's vocabulary."""
+    for name, ids in (("logit_bias", spec.logit_bias or ()), ("allowed_token_ids", spec.allowed_token_ids or ())):
+        outside = next((t for t in ids if t >= vocab_size), None)
+        if outside is not None:
+            raise oa.bad(f"'{name}': token id {outside} is outside the vocabulary [0, {vocab_size})", name)
