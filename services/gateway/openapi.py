@@ -89,7 +89,7 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
             "type": {"const": "object"},
             "properties": {"type": "object", "additionalProperties": {
                 "type": "object", "properties": {"type": _JSON_TYPE, "description": {"type": "string"}}}},
-            "required": {"type": "array", "items": {"type": "string"}}}},
+            "required": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
         "strict": {"type": "boolean"}}}}}
 _TOOLS = {
     "tools": {"type": "array", "items": _TOOL, "minItems": 1, "maxItems": 128},
