@@ -130,6 +130,16 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_
     return value
 
 
+def flag(body: dict, name: str, default: bool) -> bool:
+    """A boolean field: absent or null is `default`."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean", name)
+    return value
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -163,9 +173,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) 
                                                  for t in stop_ids):
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     seed = _number(body, "seed", None, 0, INT64[1], integer=True)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
+    ignore_eos = flag(body, "ignore_eos", False)
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=optional_float("temperature", 0.0, 2.0),

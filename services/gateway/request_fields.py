@@ -49,15 +49,6 @@ def _is_token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_ID_LIMIT
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise oa.bad(f"'{name}' must be a boolean", name)
-    return value
-
-
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """{token id: bias}: JSON keys are strings of digits (OpenAI's form); biases in [-100, 100]."""
     raw = body.get("logit_bias")
@@ -114,8 +105,8 @@ def sampling_fields(body: dict) -> dict[str, Any]:
     """The SamplingSpec fields of this module, parsed from a request body."""
     return {"logit_bias": _logit_bias(body), "allowed_token_ids": _allowed_token_ids(body),
             "bad_words": _bad_words(body), "min_tokens": _min_tokens(body),
-            "skip_special_tokens": _flag(body, "skip_special_tokens", True),
-            "include_stop_str_in_output": _flag(body, "include_stop_str_in_output", False)}
+            "skip_special_tokens": oa.flag(body, "skip_special_tokens", True),
+            "include_stop_str_in_output": oa.flag(body, "include_stop_str_in_output", False)}
 
 
 def continuous_usage_stats(options: dict) -> bool:

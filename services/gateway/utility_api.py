@@ -10,15 +10,6 @@ from typing import Any
 from services.gateway import openai_api as oa
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise oa.bad(f"'{name}' must be a boolean", name)
-    return value
-
-
 def request_model(body: Any) -> str | None:
     """The model a /tokenize or /detokenize body names (None: the gateway's only model)."""
     if not isinstance(body, dict):
@@ -39,12 +30,12 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise oa.bad("'prompt' must be a string", "prompt")
-        ids = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        ids = tokenizer.encode(prompt, add_special_tokens=oa.flag(body, "add_special_tokens", True))
     else:
         # The messages as chat completions take them (the same parsing, the same template).
         _, messages = oa.parse_chat({"model": "-", "messages": body["messages"]})
-        generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final = _flag(body, "continue_final_message", False)
+        generation_prompt = oa.flag(body, "add_generation_prompt", True)
+        continue_final = oa.flag(body, "continue_final_message", False)
         if generation_prompt and continue_final:
             raise oa.bad("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message")
         try:
@@ -52,8 +43,8 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
                                                  continue_final_message=continue_final)
         except Exception as exc:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
-    token_strs = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+        ids = tokenizer.encode(text, add_special_tokens=oa.flag(body, "add_special_tokens", False))
+    token_strs = tokenizer.convert_ids_to_tokens(ids) if oa.flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
