@@ -7,12 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.gateway import prompt_logprobs, request_fields
 from services.gateway.choices import Choices, parse_choices, parse_prompts
-from services.gateway import prompt_logprobs
 from services.gateway.prompt_logprobs import PromptOptions
-from services.gateway import request_fields
-from shared.layers import by_component, layer_timings
 from services.gateway.structured_outputs import parse_structured
+from shared.layers import by_component, layer_timings
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
 
 if TYPE_CHECKING:
