@@ -5,15 +5,19 @@ ones before were) yields 1 + a + a^2 + ... + a^k tokens per step instead of 1, a
 verifying k more tokens and proposing them adds to the step. Both are measured here:
 
 - cost, per batch-size bucket (B = sequences decoding): `base`, the seconds per sequence of a
-  step without speculation, and per draft length k, `extra[k]`, the seconds each speculating
-  sequence adds to the step. Costs do not depend on acceptance, so an arm measured once stays
-  valid while requests come and go; arms are re-measured when they go stale.
+  step without speculation, and per draft length k and number of speculating sequences (on the
+  same half-octave grid), `extra[k, S]`, the seconds each speculating sequence adds to the step.
+  Keyed on S because the cost per speculating sequence grows with S where verification (and a
+  draft model) turn compute-bound: an arm explored with a quarter of the batch underestimates
+  speculating all of it. A step priced from a smaller S's measurement (optimistic) measures its
+  own S, so a wrong guess costs one step per arm. Costs do not depend on acceptance, so an arm
+  measured once stays valid while requests come and go; arms are re-measured when they go stale.
 - gain, per sequence: its acceptance rate so far, shrunk towards the engine-wide rate while it
   has few verifications of its own.
 
 Each step takes the k (0 included) with the most tokens per second,
 
-    rate(k) = (B + sum_s (E_s(k) - 1)) / (B * base + n_spec * extra[k]),
+    rate(k) = (B + sum_s (E_s(k) - 1)) / (B * base + S * extra[k, S]),
 
 and speculates only if that beats rate(0) = 1 / base by `margin`. Arms are explored one step at
 a time, at most one step in `explore_gap` per bucket, and every arm again after `refresh_steps`
@@ -56,7 +60,17 @@ class _Ema:
 @dataclass
 class _Bucket:
     base: _Ema = field(default_factory=_Ema)
-    extra: dict[int, _Ema] = field(default_factory=dict)
+    extra: dict[tuple[int, int], _Ema] = field(default_factory=dict)  # (k, bucket(speculating)) -> seconds each
+
+    def arm_cost(self, k: int, speculating: int, fresh) -> _Ema | None:
+        """extra[k, S] for S speculating sequences: measured at S's bucket, else at the largest
+        smaller one measured (an underestimate the step then corrects); None if k has none fresh."""
+        want = bucket(speculating)
+        known = [(s, ema) for (arm, s), ema in self.extra.items() if arm == k and s <= want and fresh(ema)]
+        return max(known, key=lambda item: item[0])[1] if known else None
+
+    def explored(self, k: int, fresh) -> bool:
+        return any(arm == k and fresh(ema) for (arm, _), ema in self.extra.items())
     last_explore: int = -(1 << 30)
 
 
@@ -118,18 +132,23 @@ class AdaptivePolicy:
         cell = self.buckets.setdefault(bucket(num_decodes), _Bucket())
         if cell.base.count < 2 or self._stale(cell.base):
             return 0
+        def fresh(ema: _Ema) -> bool:
+            return not self._stale(ema)
+
         if self.step - cell.last_explore >= self.explore_gap:
             for k in reversed(self.arms):  # the longest first: the arm that gains most when drafts are good
-                arm = cell.extra.get(k)
-                if arm is None or self._stale(arm):
+                if not cell.explored(k, fresh):
                     cell.last_explore = self.step
                     self.exploring = True
                     return k
         base = cell.base.value
         best, best_rate = 0, (1.0 + self.margin) / base
-        for k, arm in cell.extra.items():
+        n_spec = sum(1 for _, n in candidates if n > 0)
+        for k in self.arms:
+            arm = cell.arm_cost(k, n_spec, fresh)
+            if arm is None:
+                continue
             gain = sum(expected_tokens(a, min(k, n)) - 1.0 for a, n in candidates)
-            n_spec = sum(1 for _, n in candidates if n > 0)
             rate = (num_decodes + gain) / (num_decodes * base + n_spec * max(arm.value, 0.0))
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -148,4 +167,4 @@ class AdaptivePolicy:
             cell.base.add(seconds / num_decodes, self.ema, self.step)
         elif cell.base.count:
             extra = (seconds - num_decodes * cell.base.value) / num_speculating
-            cell.extra.setdefault(k, _Ema()).add(extra, self.ema, self.step)
+            cell.extra.setdefault((k, bucket(num_speculating)), _Ema()).add(extra, self.ema, self.step)
