@@ -19,6 +19,8 @@ decoding has already constrained: `RequiredCalls` (a JSON array of {name, parame
 
 from __future__ import annotations
 
+import abc
+
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -50,19 +52,21 @@ class UnknownToolParser(ValueError):
         self.name = name
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base: keeps at most `max_calls` calls (1 when parallel_tool_calls is false; later ones
-    are dropped, as that flag asks) and numbers them."""
+    are dropped, as that flag asks) and numbers them. Each format says how text is read."""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
         self.calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+        """The events the next piece of streamed text makes (some text may be held back)."""
 
+    @abc.abstractmethod
     def finish(self) -> list[Event]:
-        raise NotImplementedError
+        """The events of whatever is held back once the reply has ended."""
 
     def _call(self, name: str, arguments: str) -> list[Event]:
         if self.max_calls is not None and self.calls >= self.max_calls:
