@@ -19,13 +19,16 @@ MAX_ALLOWED_TOKEN_IDS = 2**20
 TOKEN_ID_LIMIT = 2**31  # the model's vocabulary bounds them exactly once it is known (check_token_ids)
 
 # Fields of both generation endpoints: sampling (OpenAI's and vLLM's), output, the other parts
-# of issue 18 (structured outputs, n / best_of, prompt logprobs), and `user` (informational).
+# of issue 18 (structured outputs and vLLM's guided_decoding_backend / guided_whitespace_pattern,
+# refused past what xgrammar does; n / best_of; prompt logprobs). OpenAI's `user` is not used
+# here, so it is counted as unknown like any other field this gateway does not honour.
 _SHARED = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
-    "best_of", "stream", "stream_options", "user", "logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+    "best_of", "stream", "stream_options", "logprobs", "logit_bias", "allowed_token_ids", "bad_words",
     "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "response_format",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "echo",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "echo",
 }
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     "/v1/completions": frozenset(_SHARED | {"prompt", "suffix"}),
