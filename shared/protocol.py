@@ -56,6 +56,12 @@ def _is_token(name: str) -> bool:
     return bool(name) and not any(c in name for c in ".*> \t\r\n")
 
 
+def _is_subject(subject: str) -> bool:
+    """A concrete subject one can publish to: no wildcards, whitespace or empty tokens."""
+    return (bool(subject) and not any(c in subject for c in "*> \t\r\n") and not subject.startswith(".")
+            and not subject.endswith(".") and ".." not in subject)
+
+
 def _check_tokens(message: Message, *names: str) -> None:
     """Ids that name subjects (replica, model): a message carrying a bad one is malformed, not a
     ValueError later in whoever builds a subject from it."""
@@ -412,6 +418,11 @@ class GenerateRequest(Message):
     # it after this (unix seconds) refuses it, as its sender has given up and tries another.
     accept_by: float | None = None
     lora: str | None = None  # the LoRA adapter of `model` to run with (None: the base model)
+    # A gateway's subject for its TokenChunkBatches: when set, the engine sends this request's
+    # chunks there, in one TokenChunkBatch per step with the other requests bound for it, instead
+    # of one message on reply_to per chunk. Callers that are not gateways leave it unset and get
+    # per-request TokenChunks on reply_to. The GenerateAck still goes to accepted(reply_to).
+    batch_to: str | None = None
 
     def validate(self) -> None:
         if not self.request_id:
@@ -420,8 +431,10 @@ class GenerateRequest(Message):
             raise ProtocolError("GenerateRequest: reply_to must not be empty")
         if self.prompt is None and self.prompt_token_ids is None:
             raise ProtocolError("GenerateRequest: one of 'prompt' or 'prompt_token_ids' is required")
-        if any(c in self.reply_to for c in "*> \t\r\n") or self.reply_to.startswith(".") or ".." in self.reply_to:
-            raise ProtocolError(f"GenerateRequest: reply_to {self.reply_to!r} is not a valid subject")
+        for name in ("reply_to", "batch_to"):
+            subject = getattr(self, name)
+            if subject is not None and not _is_subject(subject):
+                raise ProtocolError(f"GenerateRequest: {name} {subject!r} is not a valid subject")
         if self.resume is not None:
             if self.prompt_token_ids is None:
                 raise ProtocolError("GenerateRequest: a resumed request needs prompt_token_ids")
@@ -526,6 +539,16 @@ class TokenChunk(Message):
 
 
 @dataclass
+class TokenChunkBatch(Message):
+    """One engine step's chunks for one gateway (GenerateRequest.batch_to): every request of
+    that gateway that has news this step, in step order. The gateway hands each chunk to its
+    request's stream exactly as if it had come alone on the request's reply_to."""
+
+    replica_id: str
+    chunks: list[TokenChunk] = field(default_factory=list)
+
+
+@dataclass
 class Cancel(Message):
     """Abort a request. A cancel naming a replica is for that replica's run of the request only
     (a scheduler withdrawing a forward that timed out): the other replicas ignore it, so it can
@@ -594,6 +617,11 @@ class Heartbeat(Message):
     lora_waiting: list[str] = field(default_factory=list)
     max_loras: int = 0
     max_lora_rank: int = 0
+    # The engine's effective limits (0: not said, by an older engine): a request's prompt plus
+    # max_tokens must fit max_model_len, and its token ids must be below vocab_size. Gateways
+    # check against these, not against the model's config.json (the engine's can be smaller).
+    max_model_len: int = 0
+    vocab_size: int = 0
 
     def validate(self) -> None:
         _check_tokens(self, "replica_id", "model")
