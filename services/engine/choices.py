@@ -22,9 +22,13 @@ from services.engine.sequence import Sequence, SequenceStatus
 
 
 def check_resumable(params: SamplingParams, generated: int) -> None:
-    """A resumed stream (protocol.Resume) continues one completion: refused with n > 1."""
+    """A resumed stream (protocol.Resume) continues one completion (refused with n > 1) that
+    has tokens left: its max_tokens is the whole stream's, the `generated` ones included."""
     if generated and params.n > 1:
         raise InvalidRequestError("n: a resumed stream continues one choice; n must be 1", "n")
+    if generated and generated >= params.max_tokens:
+        raise InvalidRequestError(f"max_tokens: a resumed stream with {generated} tokens generated has none left "
+                                  f"of max_tokens {params.max_tokens}", "max_tokens")
 
 
 def seed_for_choice(seed: int | None, index: int) -> int | None:

@@ -101,7 +101,8 @@ class LLMEngine:
 
         resumed=(generated, text_chars): the continuation of a stream another replica started
         (protocol.Resume): the last `generated` ids are its completion so far, of which
-        `text_chars` characters of text were delivered, and max_tokens is what is left.
+        `text_chars` characters of text were delivered; max_tokens is the whole stream's (the
+        generated tokens count against it).
         lora_name: its adapter, already pinned by acquire_lora (released when it ends)."""
         if request_id in self.requests:
             if lora_name is not None:
@@ -149,7 +150,6 @@ class LLMEngine:
         the caller has not received yet (held back at a stop-string or character boundary) still
         to come. The re-prefill recomputes their KV like a preempted sequence's."""
         seq.token_ids.extend(generated)
-        seq.params.max_tokens += len(generated)
         seq.num_emitted_tokens = len(generated)
         seq.logprobs = [{} for _ in generated]  # keeps later tokens' logprobs aligned; never emitted
         # Seeded draws are keyed on (seed, output position): nothing to replay.

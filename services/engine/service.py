@@ -266,6 +266,7 @@ class EngineWorker:
                                                                               req.prompt))
         else:
             prompt_len = len(engine.tokenizer.encode(req.prompt))
+        prompt_len -= req.resume.generated if req.resume is not None else 0  # max_tokens counts those
         if prompt_len + req.sampling.max_tokens <= engine.max_model_len:
             return None
         return (f"this model's maximum context length is {engine.max_model_len} tokens: a prompt of {prompt_len} "

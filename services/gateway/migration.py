@@ -1,14 +1,15 @@
 """Mid-stream migration: a request whose engine replica dies continues on another replica.
 
-A request the gateway serves is a flow of one or more legs. A leg is one engine's run of it, with
-its own request id on the bus (the original id, then `<id>-m1`, `<id>-m2`) and the request's
-reply subject. The gateway learns a leg's replica from the engine's acceptance notice
+A request the gateway serves is a flow (services.gateway.flow) of one or more legs. A leg is one
+engine's run of it, with its own request id on the bus (the original id, then `<id>-m1`,
+`<id>-m2`) and the request's reply subject. The gateway learns a leg's replica from the engine's acceptance notice
 (`<reply_to>.accepted`) or from its chunks, and watches every replica's heartbeats. When a
 leg's replica falls silent, its stream loses a chunk, or it drains away from the request, the
 gateway cancels that leg (a replica presumed dead may be alive) and submits the next one: the
-original prompt followed by every completion token delivered so far, the same sampling with
-max_tokens reduced by them, and `resume` set, so the engine continues exactly where the client
-is (greedy and seeded output are the same as without the fault). Chunks of earlier legs are
+original prompt followed by every completion token delivered so far, the same sampling (the
+original max_tokens: the engine counts the delivered tokens, `resume.generated`, against it),
+and `resume` set, so the engine continues exactly where the client is (greedy and seeded output
+are the same as without the fault). Chunks of earlier legs are
 dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error;
 so does a stream of several choices (n > 1), at once (each prompt of a batch is a flow of its
 own, and migrates as one).
@@ -26,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from services.gateway.flow import Flow, FlowTable
 from services.gateway.openai_api import ApiError
 from shared import protocol
 from shared.logging import get_logger
@@ -56,21 +59,6 @@ MIGRATION_BURST = 20
 # may have finished it while nobody could hear): it resumes from what was delivered.
 STALLED_AFTER_RECONNECT = 2.0
 WATCH_INTERVAL = 0.25
-
-
-@dataclass
-class Flow:
-    gen: GenerateRequest  # the request as the client made it
-    queue: asyncio.Queue  # where the gateway reads the request's chunks
-    leg_id: str  # the current leg's request id on the bus
-    replica: str | None = None  # the current leg's replica, once known
-    expected_seq: int = 0  # next chunk seq of the current leg
-    token_ids: list[int] = field(default_factory=list)  # completion tokens delivered so far
-    text_chars: int = 0  # completion text delivered so far
-    migrations: int = 0
-    migrating: bool = False
-    closed: bool = False  # the request ended (the client left): a leg submitted now must be cancelled
-    last_progress: float = field(default_factory=time.monotonic)  # a chunk or an acceptance of its leg
 
 
 @dataclass
@@ -104,14 +92,20 @@ class TokenBucket:
 
 
 class Migrator:
-    """The gateway's side of migration: flows, replica liveness, the next leg's submission."""
+    """The gateway's side of migration: replica liveness, the verdicts, the next leg's submission.
 
-    def __init__(self, gateway):
-        self.gw = gateway
-        self.flows: dict[str, Flow] = {}
+    What it needs of the gateway is all it is given: the table of open flows (their state is
+    shared: the gateway reads their chunks, this moves their legs), `submit(flow, leg)` to hand a
+    leg to a scheduler (raises ApiError when none takes it), the metrics registry, and at start
+    the bus and the heartbeat subscription (its backlog: heartbeats not read yet)."""
+
+    def __init__(self, flows: FlowTable, submit: Callable[[Flow, GenerateRequest], Awaitable[None]], registry):
+        self.flows = flows
+        self.submit = submit
+        self.bus = None
         self.replicas: dict[str, ReplicaLiveness] = {}  # replica id -> what its heartbeats showed
         self._blind_until = 0.0  # after a NATS outage or a late loop, silence says nothing about the replicas
-        self._heartbeats = None  # the heartbeat subscription (its backlog: heartbeats not read yet)
+        self._heartbeats = None
         self.bucket = TokenBucket(MIGRATIONS_PER_S, MIGRATION_BURST)
         self._reconnects = 0
         self._suspects: dict[str, tuple[str, int]] = {}  # request id -> (leg, seq) when the bus came back
@@ -120,14 +114,13 @@ class Migrator:
         self._watch: asyncio.Task | None = None
         self.migrations = Counter("strata:gateway_migrations",
                                   "Streams moved to another replica (migrated) or ended because they could not be "
-                                  "(failed), by reason.", ["outcome", "reason"], registry=gateway.metrics.registry)
+                                  "(failed), by reason.", ["outcome", "reason"], registry=registry)
         self.verdicts = Counter("strata:gateway_replica_dead_verdicts",
                                 "Replicas this gateway presumed dead or stalled (each moves the streams it held), by "
-                                "reason.", ["reason"], registry=gateway.metrics.registry)
+                                "reason.", ["reason"], registry=registry)
 
-    async def start(self) -> None:
-        bus = self.gw.bus
-        self._heartbeats = await bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+    def start(self, bus, heartbeats) -> None:
+        self.bus, self._heartbeats = bus, heartbeats
         self._watch = asyncio.create_task(self._watch_replicas())
 
     def stop(self) -> None:
@@ -135,26 +128,6 @@ class Migrator:
             self._watch.cancel()
 
     # ---- flows ------------------------------------------------------------------------------
-    def track(self, gen: GenerateRequest) -> None:
-        """A new request (its first leg): follow it."""
-        queue = self.gw._streams.get(gen.request_id)
-        if gen.resume is not None or queue is None:
-            return
-        self.flows[gen.request_id] = Flow(gen, queue, gen.request_id)
-
-    def leg_id(self, request_id: str) -> str:
-        flow = self.flows.get(request_id)
-        return flow.leg_id if flow is not None else request_id
-
-    def forget(self, request_id: str) -> str:
-        """The request ended; returns the id of its last leg (the one to cancel if it runs on), or
-        "" while it is between legs (the lost one is cancelled, the next is cancelled on arrival)."""
-        flow = self.flows.pop(request_id, None)
-        if flow is None:
-            return request_id
-        flow.closed = True
-        return flow.leg_id
-
     def accept(self, flow: Flow, chunk: TokenChunk) -> TokenChunk | None:
         """The chunk to deliver to the client, or None: it belongs to an earlier leg, repeats one
         already delivered, or shows the leg is lost (then the next leg is on its way)."""
@@ -174,42 +147,42 @@ class Migrator:
         flow.expected_seq += 1
         flow.last_progress = time.monotonic()
         flow.replica = chunk.replica_id or flow.replica
-        self.gw._held_by.pop(flow.gen.request_id, None)  # an engine has it (its routing notice may be lost)
+        flow.held_by = None  # an engine has it (its routing notice may be lost)
         flow.token_ids += chunk.token_ids
         flow.text_chars += len(chunk.text)
         return chunk
 
     # ---- replicas ---------------------------------------------------------------------------
-    async def on_heartbeat(self, hb: Heartbeat, _raw) -> None:
-        now = time.monotonic()
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         replica = self.replicas.get(hb.replica_id)
         if replica is None:
             replica = self.replicas[hb.replica_id] = ReplicaLiveness(now, hb.steps_total, now)
         replica.beat(hb, now)
 
-    def on_accepted(self, request_id: str, data: bytes) -> GenerateAck | None:
+    def on_accepted(self, flow: Flow, data: bytes) -> None:
         """An engine took a leg of the request (`<reply_to>.accepted`): that is the replica to
-        watch, and the only one whose chunks count. A notice that it is withdrawn (its scheduler
-        gave the leg to another replica) frees the leg for that other one."""
-        flow = self.flows.get(request_id)
+        watch, and the only one whose chunks count; no scheduler holds the leg any more. A notice
+        that it is withdrawn (its scheduler gave the leg to another replica) frees the leg for
+        that other one."""
         try:
             ack = protocol.decode(GenerateAck, data)
         except protocol.ProtocolError as exc:
             log.warning("malformed acceptance notice", error=str(exc))
-            return None
-        if flow is None or ack.request_id != flow.leg_id:
-            return ack
+            return
+        if ack.request_id != flow.leg_id:  # an earlier leg's
+            return
         if not ack.accepted:
             if flow.replica == ack.replica_id:
                 flow.replica = None
-            return ack
+            return
+        flow.at_engine, flow.held_by = True, None
         if flow.replica is not None and flow.replica != ack.replica_id:  # a withdrawn run, taken late
-            log.info("late acceptance ignored", request_id=request_id, replica_id=ack.replica_id, serving=flow.replica)
-            return ack
+            log.info("late acceptance ignored", request_id=flow.request_id, replica_id=ack.replica_id,
+                     serving=flow.replica)
+            return
         now = time.monotonic()
         flow.replica, flow.last_progress = ack.replica_id, now
         self.replicas.setdefault(ack.replica_id, ReplicaLiveness(now, 0, now))
-        return ack
 
     async def _watch_replicas(self) -> None:
         last = time.monotonic()
@@ -219,7 +192,7 @@ class Migrator:
             late = now - last > WATCH_INTERVAL + LOOP_LAG_TOLERANCE
             backlog = self._heartbeats is not None and self._heartbeats.pending_msgs > 0
             last = now
-            if not self.gw.bus.nc.is_connected or late or backlog:
+            if not self.bus.nc.is_connected or late or backlog:
                 self._blind_until = max(self._blind_until, now + (REPLICA_DEAD_AFTER if not backlog else 0.0))
             self._check_stalled(now)
             if now < self._blind_until or backlog:
@@ -232,7 +205,7 @@ class Migrator:
     def judge(self, now: float) -> None:
         """Move the streams of replicas that are dead or stalled by the evidence (module doc)."""
         verdicts: dict[str, tuple[str, str]] = {}
-        for flow in list(self.flows.values()):
+        for flow in self.flows:
             replica_id = flow.replica
             if replica_id is None or flow.migrating:
                 continue
@@ -254,10 +227,10 @@ class Migrator:
     def _check_stalled(self, now: float) -> None:
         """Chunks published while the bus was away are lost for good: a stream that was on a
         replica when it came back and has had no chunk since resumes elsewhere."""
-        reconnects = self.gw.bus.nc.stats["reconnects"]
+        reconnects = self.bus.nc.stats["reconnects"]
         if reconnects != self._reconnects:
             self._reconnects = reconnects
-            self._suspects = {rid: (f.leg_id, f.expected_seq) for rid, f in self.flows.items() if f.replica}
+            self._suspects = {f.request_id: (f.leg_id, f.expected_seq) for f in self.flows if f.replica}
             self._suspects_due = now + STALLED_AFTER_RECONNECT
             return
         if not self._suspects or now < self._suspects_due:
@@ -279,8 +252,8 @@ class Migrator:
     async def _migrate(self, flow: Flow, lost_leg: str, reason: str, detail: str) -> None:
         gen, rid = flow.gen, flow.gen.request_id
         try:
-            await self.gw.bus.publish(protocol.CANCEL, Cancel(request_id=lost_leg, tenant=gen.tenant))
-            remaining = gen.sampling.max_tokens - len(flow.token_ids)
+            await self.bus.publish(protocol.CANCEL, Cancel(request_id=lost_leg, tenant=gen.tenant))
+            remaining = gen.sampling.max_tokens - flow.completion_tokens
             if gen.sampling.n > 1:  # a Resume continues one completion; the choices' would need one each
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; a stream of {gen.sampling.n} "
                                   f"choices (n > 1) does not move to another replica")
@@ -301,25 +274,23 @@ class Migrator:
             if flow.closed:
                 return
             flow.migrations += 1
+            # The same sampling, max_tokens included: the engine counts resume.generated against it.
             leg = dataclasses.replace(
                 gen, request_id=f"{rid}-m{flow.migrations}", prompt_token_ids=gen.prompt_token_ids + flow.token_ids,
-                sampling=dataclasses.replace(gen.sampling, max_tokens=remaining), timestamps=dict(gen.timestamps),
-                resume=Resume(request_id=rid, generated=len(flow.token_ids), text_chars=flow.text_chars,
+                timestamps=dict(gen.timestamps),
+                resume=Resume(request_id=rid, generated=flow.completion_tokens, text_chars=flow.text_chars,
                               replica_id=flow.replica, attempt=flow.migrations))
             log.warning("stream migrating", request_id=rid, leg=leg.request_id, replica_id=flow.replica,
-                        delivered_tokens=len(flow.token_ids), reason=detail)
-            flow.leg_id, flow.replica, flow.expected_seq = leg.request_id, None, 0
-            flow.last_progress = time.monotonic()
+                        delivered_tokens=flow.completion_tokens, reason=detail)
+            self.flows.start_leg(flow, leg.request_id)
             try:
-                scheduler = await self.gw._submit(leg)
+                await self.submit(flow, leg)
             except ApiError as exc:
                 return self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; no replica could take the rest "
                                   f"of the stream: {exc.message}")
             self.migrations.labels("migrated", reason).inc()
             if flow.closed:  # the client left meanwhile
-                await self.gw.bus.publish(protocol.CANCEL, Cancel(request_id=leg.request_id, tenant=gen.tenant))
-            else:
-                self.gw._held_by[rid] = scheduler
+                await self.bus.publish(protocol.CANCEL, Cancel(request_id=leg.request_id, tenant=gen.tenant))
         except Exception as exc:  # NATS away, ...: the client still gets a final message
             log.exception("migration failed", request_id=rid)
             self._fail(flow, reason, ErrorCode.UNAVAILABLE, f"{detail}; migration failed: {exc.__class__.__name__}")

@@ -31,6 +31,8 @@ from services.gateway import openai_api as oa
 from services.gateway import request_fields, tools, tracing, utility_api
 from services.gateway.admission import InflightLimit
 from services.gateway.auth import ApiKey, KeyStore
+from services.gateway.flow import Flow, FlowTable
+from services.gateway.limits import AdvertisedLimits, ModelLimits
 from services.gateway.lora import AdapterCatalog, LoraApi
 from services.gateway.migration import Migrator
 from services.gateway.openai_api import ApiError, ParsedRequest, error_response
@@ -44,8 +46,8 @@ from shared.http_limits import ClientGone, ConnectionGuard, HttpLimits
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest, KeyRevoked,
-                             LatencySample, RevisionOutcomes, SchedulerStats, TokenChunk)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest, Heartbeat,
+                             KeyRevoked, LatencySample, RevisionOutcomes, SchedulerStats, TokenChunk, TokenChunkBatch)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -95,6 +97,11 @@ class ServedModel:
     def decode_text(self, ids: list[int]) -> str:
         """A token-id prompt as echoed."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def configured_limits(self) -> ModelLimits:
+        """What its config.json says (replicas may advertise smaller: services.gateway.limits)."""
+        return ModelLimits(self.max_model_len, self.vocab_size)
 
 
 def load_served_model(name: str, path: str, tool_call_parser: str | None = None) -> ServedModel:
@@ -159,13 +166,12 @@ class GatewayService:
         self.bus: Bus | None = None
         self.redis = None
         self.keys: KeyStore | None = None
-        self._streams: dict[str, asyncio.Queue[TokenChunk]] = {}
-        self._inbox = ""  # where its requests' streams come: under its connection's inbox prefix
+        self.flows = FlowTable()  # the engine requests being served, each from open to close
+        # Where its requests' streams come: `<inbox>.<request id>` per chunk, `<inbox>` itself for
+        # TokenChunkBatches (GenerateRequest.batch_to); under its connection's inbox prefix.
+        self._inbox = ""
         self._schedulers_seen: dict[str, float] = {}
-        self._held_by: dict[str, str] = {}  # request id -> scheduler id, until an engine takes it
-        self._at_engine: set[str] = set()  # requests an engine took (before their scheduler's ack, at times)
-        self._tenants: dict[str, str] = {}  # request id -> tenant, while the request is open
-        self._completion_tokens: dict[str, int] = {}  # request id -> tokens streamed so far
+        self.limits = AdvertisedLimits()  # what each model's replicas say they take
         self._background: set[asyncio.Task] = set()
         self.scheduler_dead_after = 3.0
         self._runner: web.AppRunner | None = None
@@ -173,7 +179,7 @@ class GatewayService:
         self._report = GatewayStats(gateway_id=cfg.gateway_id)  # accumulates until published
         self._samples_seen: dict[str, int] = {}  # model -> revision samples offered to this report
         self._report_started = time.monotonic()
-        self.migration = Migrator(self)
+        self.migration = Migrator(self.flows, self._submit_leg, self.metrics.registry)
         self.inflight = InflightLimit(cfg.max_inflight)
         self._refused_unlogged, self._refusals_logged_at = 0, 0.0
         self.http_guard = ConnectionGuard(cfg.http, lambda reason: self.metrics.http_refusals.labels(reason).inc())
@@ -203,12 +209,14 @@ class GatewayService:
         await self.bus.subscribe(protocol.LORA_ADAPTERS_ALL, protocol.LoraAdaptersChanged, self.adapters.on_change)
         await self.adapters.refresh_all()
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
+        await self.bus.nc.subscribe(self._inbox, cb=self._on_batch)
         await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
+        heartbeats = await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         self._stats_sub = await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats,
                                                    self._on_scheduler_stats)
         await self.bus.subscribe(protocol.CONTROL_KEYS, KeyRevoked, self._on_key_revoked)
         self._watchdog = asyncio.create_task(self._watch_schedulers())
-        await self.migration.start()
+        self.migration.start(self.bus, heartbeats)
         self._reporter = asyncio.create_task(self._report_loop())
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                      **self.cfg.http.runner_kwargs())
@@ -293,31 +301,60 @@ class GatewayService:
 
     # ---- plumbing ---------------------------------------------------------------------------
     async def _on_chunk(self, msg) -> None:
+        """A chunk of one request, alone on its reply subject `<inbox>.<request id>`."""
         rid = msg.subject.rsplit(".", 1)[1]
-        queue = self._streams.get(rid)
-        if queue is None:
+        flow = self.flows.get(rid)
+        if flow is None:
             return  # a late chunk of a request already ended
         try:
             chunk = protocol.decode(TokenChunk, msg.data)
         except protocol.ProtocolError as exc:
             log.warning("malformed chunk", request_id=rid, error=str(exc))
             return
+        self._deliver(flow, chunk)
+
+    async def _on_batch(self, msg) -> None:
+        """An engine step's chunks for this gateway (on `batch_to`): each goes to its flow exactly
+        as if it had come alone."""
+        try:
+            batch = protocol.decode(TokenChunkBatch, msg.data)
+        except protocol.ProtocolError as exc:
+            log.warning("malformed chunk batch", error=str(exc))
+            return
+        for chunk in batch.chunks:
+            flow = self.flows.of_leg(chunk.request_id)
+            if flow is None:
+                continue  # a late chunk of a request already ended
+            if chunk.replica_id is None:
+                chunk.replica_id = batch.replica_id
+            self._deliver(flow, chunk)
+
+    @staticmethod
+    def _deliver(flow: Flow, chunk: TokenChunk) -> None:
         if chunk.is_final and chunk.timestamps is not None:
             chunk.timestamps["gateway_final_received"] = time.time()
-        queue.put_nowait(chunk)
+        flow.queue.put_nowait(chunk)
 
     async def _on_accepted(self, msg) -> None:
         """An engine took the request: its scheduler's fate no longer matters to it."""
-        rid = msg.subject.rsplit(".", 2)[1]
-        if rid in self._streams:
-            ack = self.migration.on_accepted(rid, msg.data)
-            if ack is not None and ack.accepted:
-                self._at_engine.add(rid)
-                self._held_by.pop(rid, None)
+        flow = self.flows.get(msg.subject.rsplit(".", 2)[1])
+        if flow is not None:
+            self.migration.on_accepted(flow, msg.data)
 
-    def _spawn_cancel(self, rid: str) -> None:
-        task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=self.migration.leg_id(rid),
-                                                                              tenant=self._tenants.get(rid))))
+    async def _on_heartbeat(self, hb: Heartbeat, _raw) -> None:
+        now = time.monotonic()
+        self.migration.on_heartbeat(hb, now)
+        self.limits.note(hb, now)
+
+    def model_limits(self, model: ServedModel) -> ModelLimits:
+        """The limits a request for the model is checked against: its replicas' (services.gateway.limits)."""
+        return self.limits.of(model.name, model.configured_limits, time.monotonic())
+
+    def _spawn_cancel(self, flow: Flow) -> None:
+        if not flow.leg_id:  # between two legs: the migration cancels them
+            return
+        task = asyncio.create_task(self.bus.publish(protocol.CANCEL, Cancel(request_id=flow.leg_id,
+                                                                              tenant=flow.tenant)))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _on_scheduler_stats(self, stats: SchedulerStats, _raw) -> None:
@@ -340,17 +377,16 @@ class GatewayService:
                 for scheduler_id in self._schedulers_seen:  # judged afresh from now on
                     self._schedulers_seen[scheduler_id] = now
                 continue
-            for rid, scheduler_id in list(self._held_by.items()):
-                seen = self._schedulers_seen.get(scheduler_id)
+            for flow in self.flows:
+                seen = self._schedulers_seen.get(flow.held_by) if flow.held_by is not None else None
                 if seen is not None and now - seen > self.scheduler_dead_after:
                     self.metrics.scheduler_verdicts.inc()
-                    self._held_by.pop(rid, None)
-                    queue = self._streams.get(rid)
-                    if queue is not None:
-                        # In case an engine does have it after all: it must not run for nobody.
-                        self._spawn_cancel(rid)
-                        queue.put_nowait(TokenChunk(request_id=rid, seq=-1, finish_reason="error", error=ErrorInfo(
-                            code=ErrorCode.UNAVAILABLE, message=f"scheduler {scheduler_id} holding the request died")))
+                    scheduler_id, flow.held_by = flow.held_by, None
+                    # In case an engine does have it after all: it must not run for nobody.
+                    self._spawn_cancel(flow)
+                    flow.queue.put_nowait(TokenChunk(request_id=flow.request_id, seq=-1, finish_reason="error",
+                                                     error=ErrorInfo(code=ErrorCode.UNAVAILABLE, message=(
+                                                         f"scheduler {scheduler_id} holding the request died"))))
 
     def _account(self, model: str, timings: dict[str, float] | None, revision: int | None = None,
                  sample: LatencySample | None = None) -> None:
@@ -442,10 +478,10 @@ class GatewayService:
     async def _model_cards(self) -> list[dict]:
         """/v1/models entries: served models, deployment aliases (parent: the model they name), adapters."""
         replicas = await replica_precision(self.redis, list(self.models))  # each replica's quantization
-        return [utility_api.model_card(m.name, m.created, str(m.path), None, m.max_model_len, **replicas[m.name])
-                for m in self.models.values()] + [
+        return [utility_api.model_card(m.name, m.created, str(m.path), None, self.model_limits(m).max_model_len,
+                                       **replicas[m.name]) for m in self.models.values()] + [
             utility_api.model_card(alias, self.models[target].created, str(self.models[target].path), target,
-                                   self.models[target].max_model_len)
+                                   self.model_limits(self.models[target]).max_model_len)
             for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
@@ -459,11 +495,11 @@ class GatewayService:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_route(request, lambda body, model: (
-            utility_api.tokenize, body, model.tokenizer, model.max_model_len))
+            utility_api.tokenize, body, model.tokenizer, self.model_limits(model).max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_route(request, lambda body, model: (
-            utility_api.detokenize, body, model.tokenizer, model.vocab_size))
+            utility_api.detokenize, body, model.tokenizer, self.model_limits(model).vocab_size))
 
     async def _tokenizer_route(self, request: web.Request, call) -> web.Response:
         """/tokenize and /detokenize: `call(body, model)` gives the pure function and its arguments."""
@@ -496,7 +532,7 @@ class GatewayService:
         key = await self._authenticate(request)
         parsed, model, prompts, lora = await prompt_of(request)
         self._count_unknown_fields(request.path, parsed.unknown_fields)
-        request_fields.check_token_ids(parsed.sampling, model.vocab_size)
+        request_fields.check_token_ids(parsed.sampling, self.model_limits(model).vocab_size)
         return await self._serve(request, key, parsed, model, prompts, lora)
 
     def _count_unknown_fields(self, endpoint: str, names: list[str]) -> None:
@@ -542,12 +578,12 @@ class GatewayService:
         """The request, its model, the token ids of each prompt of its batch, its adapter."""
         parsed = oa.parse_completion(await self._read_json(request))
         model, lora = self._model_and_adapter(parsed.model)
-        prompts = []
+        prompts, vocab_size = [], self.model_limits(model).vocab_size
         for text, ids in parsed.prompts:
             if ids is not None:
-                bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+                bad = next((t for t in ids if not 0 <= t < vocab_size), None)
                 if bad is not None:
-                    raise oa.bad(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt")
+                    raise oa.bad(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
             else:
                 ids = await self._off_loop(len(text), model.tokenizer.encode, text)
             prompts.append(ids)
@@ -570,7 +606,8 @@ class GatewayService:
         except Exception as exc:
             raise oa.bad(f"messages cannot be rendered with this model's chat template: {exc}", "messages") from None
         if parsed.extra.get("max_tokens_unset"):  # bounded: never "the whole context" by default
-            parsed.sampling.max_tokens = max(min(self.default_max_tokens(model.name), model.max_model_len - len(ids)), 1)
+            room = self.model_limits(model).max_model_len - len(ids)
+            parsed.sampling.max_tokens = max(min(self.default_max_tokens(model.name), room), 1)
         return parsed, model, [ids], lora
 
     def default_max_tokens(self, model: str) -> int:
@@ -610,13 +647,14 @@ class GatewayService:
 
     async def _serve(self, request: web.Request, key: ApiKey, parsed: ParsedRequest, model: ServedModel,
                      prompts: list[list[int]], lora: str | None = None) -> web.StreamResponse:
-        """One engine request (leg) per prompt, each asking for the request's choices per prompt
+        """One engine request (a flow) per prompt, each asking for the request's choices per prompt
         (services.gateway.choices); their chunks make one response."""
         arrival = tracing.received_at()
         choices.check_limit(parsed.choices, self.cfg.max_n)
+        max_model_len = self.model_limits(model).max_model_len
         for ids in prompts:
-            if len(ids) + parsed.sampling.max_tokens > model.max_model_len:
-                raise oa.bad(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+            if len(ids) + parsed.sampling.max_tokens > max_model_len:
+                raise oa.bad(f"This model's maximum context length is {max_model_len} tokens. However, you "
                              f"requested {len(ids) + parsed.sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                              f"{parsed.sampling.max_tokens} for the completion).",
                              "messages" if parsed.chat else "prompt", "context_length_exceeded")
@@ -635,76 +673,71 @@ class GatewayService:
         if parsed.choices.selects and logprobs is None:
             logprobs = 0
         sampling = dataclasses.replace(parsed.sampling, n=per_prompt, logprobs=logprobs)
-        legs: list[Leg] = []
+        flows: list[Flow] = []
         self.metrics.active.inc()
         try:
             for ids in prompts:  # all submitted before any is waited for: their prefills overlap
-                legs.append(self._open_leg(key, model, ids, sampling, deadline, timeout, arrival, lora, parsed.stream))
-                await self._submit_leg(legs[-1])
-            for leg in legs:
-                leg.first = await leg.queue.get()
-                self._held_by.pop(leg.gen.request_id, None)
-                if leg.first.error is not None:
-                    leg.done = leg.first.replica_id is not None  # from the engine itself: nothing runs on
-                    self._account(model.name, None, leg.first.revision)
-                    raise oa.from_engine_error(leg.first.error.code, leg.first.error.message,
-                                               leg.first.error.retry_after_s)
+                flows.append(self._open_flow(key, model, ids, sampling, deadline, timeout, arrival, lora,
+                                             parsed.stream))
+                flows[-1].gen.timestamps["gateway_published"] = time.time()
+                await self._submit_leg(flows[-1], flows[-1].gen)
+            for flow in flows:
+                flow.first = await flow.queue.get()
+                flow.held_by = None
+                if flow.first.error is not None:
+                    flow.done = flow.first.replica_id is not None  # from the engine itself: nothing runs on
+                    self._account(model.name, None, flow.first.revision)
+                    raise oa.from_engine_error(flow.first.error.code, flow.first.error.message,
+                                               flow.first.error.retry_after_s)
             first_at = time.time()
             self.metrics.ttft.labels(model.name).observe(first_at - arrival)
             if parsed.stream:
-                return await self._stream(request, parsed, model, legs, (arrival, first_at))
-            return await self._collect(parsed, model, legs, (arrival, first_at))
+                return await self._stream(request, parsed, model, flows, (arrival, first_at))
+            return await self._collect(parsed, model, flows, (arrival, first_at))
         finally:
             if self.cfg.require_auth:  # charge what was used, not the estimate
-                used = sum(len(leg.ids) + self._completion_tokens.pop(leg.gen.request_id, 0) for leg in legs)
+                used = sum(len(flow.ids) + flow.completion_tokens for flow in flows)
                 task = asyncio.create_task(self.keys.settle(key, charged, used, charged_at))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             self.metrics.active.dec()
-            for leg in legs:
-                await self._close_leg(leg)
+            for flow in flows:
+                await self._close_flow(flow)
 
-    def _open_leg(self, key: ApiKey, model: ServedModel, ids: list[int], sampling: protocol.SamplingSpec,
-                  deadline: float, timeout: float, arrival: float, lora: str | None, stream: bool) -> "Leg":
+    def _open_flow(self, key: ApiKey, model: ServedModel, ids: list[int], sampling: protocol.SamplingSpec,
+                   deadline: float, timeout: float, arrival: float, lora: str | None, stream: bool) -> Flow:
         rid = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid)
         gen = GenerateRequest(request_id=rid, model=model.name, reply_to=f"{self._inbox}.{rid}",
                               prompt_token_ids=ids, sampling=sampling, deadline=deadline,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival}, region=self.cfg.region or None,
-                              lora=lora)
+                              lora=lora, batch_to=self._inbox)
         tracing.annotate_request(gen, stream)
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._streams[rid] = queue
-        self._tenants[rid] = key.tenant
+        flow = Flow(gen, asyncio.Queue())
         # The engine ends the request at its deadline; if even that final chunk never comes
         # (a lost message, a dead engine), this sentinel ends the wait.
-        timer = asyncio.get_running_loop().call_later(timeout + 2.0, queue.put_nowait, TokenChunk(
+        flow.timer = asyncio.get_running_loop().call_later(timeout + 2.0, flow.queue.put_nowait, TokenChunk(
             request_id=rid, seq=-1, finish_reason="error",
             error=ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="timed out waiting for tokens")))
-        return Leg(gen, ids, queue, timer)
+        self.flows.open(flow)
+        return flow
 
-    async def _submit_leg(self, leg: "Leg") -> None:
-        leg.gen.timestamps["gateway_published"] = time.time()
-        scheduler_id = await self._submit(leg.gen)
-        if leg.gen.request_id not in self._at_engine:
-            self._held_by[leg.gen.request_id] = scheduler_id
+    async def _submit_leg(self, flow: Flow, leg: GenerateRequest) -> None:
+        """Hand a leg of the flow (its first, or a migration's) to a scheduler, which holds it
+        until an engine takes it."""
+        scheduler_id = await self._submit(leg)
+        if not flow.at_engine and not flow.closed and leg.request_id == flow.leg_id:
+            flow.held_by = scheduler_id
 
-    async def _close_leg(self, leg: "Leg") -> None:
-        rid = leg.gen.request_id
-        leg.timer.cancel()
-        self._streams.pop(rid, None)
-        self._held_by.pop(rid, None)
-        self._at_engine.discard(rid)
-        self._tenants.pop(rid, None)
-        leg_id = self.migration.forget(rid)
-        if not leg.done:  # the client left, or something broke: free the engine's blocks now
+    async def _close_flow(self, flow: Flow) -> None:
+        leg_id = self.flows.close(flow)
+        if not flow.done:  # the client left, or something broke: free the engine's blocks now
             self.metrics.cancels.inc()
-            await asyncio.shield(self._cancel(leg.gen, leg_id))
+            await asyncio.shield(self._cancel(flow, leg_id))
 
     async def _submit(self, gen: GenerateRequest) -> str:
         """Hand the request to a scheduler; returns the id of the scheduler that took it."""
-        self.migration.track(gen)
         # No scheduler subscribed (they are starting, or restarting): nothing holds the request,
         # so it is offered again for a while. A timeout is different: one may hold it.
         give_up = time.monotonic() + max(min(self.cfg.scheduler_wait, gen.deadline - time.time()), 0.0)
@@ -732,52 +765,49 @@ class GatewayService:
             raise oa.from_engine_error(error.code, error.message, error.retry_after_s)
         return ack.replica_id
 
-    async def _cancel(self, gen: GenerateRequest, leg_id: str) -> None:
+    async def _cancel(self, flow: Flow, leg_id: str) -> None:
         if not leg_id:  # between two legs of a migrating stream: the migration cancels them
             return
         try:
-            await self.bus.publish(protocol.CANCEL, Cancel(request_id=leg_id, tenant=gen.tenant))
+            await self.bus.publish(protocol.CANCEL, Cancel(request_id=leg_id, tenant=flow.tenant))
         except Exception as exc:
             log.warning("cancel publish failed", error=str(exc))
 
-    async def _chunks(self, leg: "Leg"):
-        """The leg's stream: its current engine run's chunks in order, and nothing else (a request
+    async def _chunks(self, flow: Flow):
+        """The flow's stream: its current engine run's chunks in order, and nothing else (a request
         must never interleave two engines' tokens). A request whose replica dies, or whose stream
         loses a chunk, continues on another replica (services.gateway.migration)."""
-        gen = leg.gen
-        flow, chunk = self.migration.flows[gen.request_id], leg.first
+        chunk = flow.first
         while True:
             delivered = self.migration.accept(flow, chunk)
             if delivered is not None:
-                self._completion_tokens[gen.request_id] = (self._completion_tokens.get(gen.request_id, 0)
-                                                           + len(delivered.token_ids))
                 if delivered.is_final:
-                    leg.done = True
+                    flow.done = True
                 yield delivered
                 if delivered.is_final:
                     return
-            chunk = await leg.queue.get()
+            chunk = await flow.queue.get()
 
-    async def _merged(self, legs: list["Leg"]):
-        """(prompt number, chunk) of every leg as they come, until each leg's final chunk."""
-        if len(legs) == 1:
-            async for chunk in self._chunks(legs[0]):
+    async def _merged(self, flows: list[Flow]):
+        """(prompt number, chunk) of every flow as they come, until each flow's final chunk."""
+        if len(flows) == 1:
+            async for chunk in self._chunks(flows[0]):
                 yield 0, chunk
             return
         merged: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
 
-        async def pump(prompt_no: int, leg: Leg) -> None:
+        async def pump(prompt_no: int, flow: Flow) -> None:
             try:
-                async for chunk in self._chunks(leg):
+                async for chunk in self._chunks(flow):
                     merged.put_nowait((prompt_no, chunk))
             except Exception as exc:  # the response still ends, with one error
-                log.exception("stream failed", request_id=leg.gen.request_id)
-                merged.put_nowait((prompt_no, TokenChunk(request_id=leg.gen.request_id, seq=-1, finish_reason="error",
+                log.exception("stream failed", request_id=flow.gen.request_id)
+                merged.put_nowait((prompt_no, TokenChunk(request_id=flow.gen.request_id, seq=-1, finish_reason="error",
                                                          error=ErrorInfo(code=ErrorCode.INTERNAL, message=str(exc)))))
 
-        tasks = [asyncio.create_task(pump(i, leg)) for i, leg in enumerate(legs)]
+        tasks = [asyncio.create_task(pump(i, flow)) for i, flow in enumerate(flows)]
         try:
-            running = len(legs)
+            running = len(flows)
             while running:
                 prompt_no, chunk = await merged.get()
                 running -= chunk.is_final
@@ -786,17 +816,17 @@ class GatewayService:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, parsed: ParsedRequest, model: ServedModel, legs: list["Leg"],
+    async def _collect(self, parsed: ParsedRequest, model: ServedModel, flows: list[Flow],
                        times: tuple[float, float]) -> web.Response:
         arrival, first_at = times
         n = parsed.choices.n
         bodies, finals = [], []
         created = oa.now()
-        rid = legs[0].gen.request_id
-        parts, first_chunks = self._prompt_parts(parsed, model, legs), []
-        for prompt_no, leg in enumerate(legs):  # each leg's chunks wait in its queue meanwhile
+        rid = flows[0].gen.request_id
+        parts, first_chunks = self._prompt_parts(parsed, model, flows), []
+        for prompt_no, flow in enumerate(flows):  # each flow's chunks wait in its queue meanwhile
             chunks = []
-            async for chunk in self._chunks(leg):
+            async for chunk in self._chunks(flow):
                 if chunk.error is not None:
                     self._account(model.name, None, chunk.revision)
                     raise oa.from_engine_error(chunk.error.code, chunk.error.message, chunk.error.retry_after_s)
@@ -827,17 +857,18 @@ class GatewayService:
         if parsed.chat:  # vLLM's place for prompt_logprobs in a chat response
             body.update(parts.chat_fields(0, first_chunks[0]))
         body["usage"] = oa.usage_dict(TokenChunk(request_id=rid, seq=0, usage=choices.total_usage(finals)))
-        extensions = [self._finished(body["id"], model, leg.gen, final, first_at) for leg, final in zip(legs, finals)]
+        extensions = [self._finished(body["id"], model, flow.gen, final, first_at)
+                      for flow, final in zip(flows, finals)]
         body["strata"] = extensions[0]
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return web.json_response(body, headers={"x-request-id": rid,
                                                 "x-strata-timings": json.dumps(extensions[0]["timings"])})
 
     @staticmethod
-    def _prompt_parts(parsed: ParsedRequest, model: ServedModel, legs: list["Leg"]) -> PromptParts:
-        texts = [text for text, _ in parsed.prompts] or [None] * len(legs)  # chat: the rendered template's ids
+    def _prompt_parts(parsed: ParsedRequest, model: ServedModel, flows: list[Flow]) -> PromptParts:
+        texts = [text for text, _ in parsed.prompts] or [None] * len(flows)  # chat: the rendered template's ids
         return PromptParts(parsed.prompt, parsed.logprobs if not parsed.chat else None,
-                           [(text, leg.ids) for text, leg in zip(texts, legs)], model)
+                           [(text, flow.ids) for text, flow in zip(texts, flows)], model)
 
     def _finished(self, response_id: str, model: ServedModel, gen: GenerateRequest, final: TokenChunk,
                   first_at: float) -> dict:
@@ -859,10 +890,10 @@ class GatewayService:
                                   timings)
         return extension
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, legs: list["Leg"],
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, model: ServedModel, flows: list[Flow],
                       times: tuple[float, float]) -> web.StreamResponse:
         arrival, first_at = times
-        gen = legs[0].gen
+        gen = flows[0].gen
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": gen.request_id})
         await response.prepare(request)
@@ -870,7 +901,7 @@ class GatewayService:
         rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{gen.request_id}"
         usage_null = {"usage": None} if parsed.include_usage else {}
         n = parsed.choices.n
-        prompt_tokens, completion_tokens = sum(len(leg.ids) for leg in legs), 0  # continuous usage stats
+        prompt_tokens, completion_tokens = sum(len(flow.ids) for flow in flows), 0  # continuous usage stats
 
         async def send(obj: dict) -> None:
             try:
@@ -885,12 +916,12 @@ class GatewayService:
         tool_parsers: dict = {}  # chat with tools: each choice's tool call parser, by response index
         if parsed.chat:
             role_usage = {"usage": oa.running_usage(prompt_tokens, 0)} if parsed.continuous_usage else usage_null
-            for index in range(len(legs) * n):
+            for index in range(len(flows) * n):
                 await send({**choices.indexed(oa.chat_chunk(rid, model.name, created, {"role": "assistant", "content": ""},
                                                             None, None), index), **role_usage})
-        finals, legs_open = [], len(legs)
-        parts = self._prompt_parts(parsed, model, legs)
-        async with contextlib.aclosing(self._merged(legs)) as stream:
+        finals, flows_open = [], len(flows)
+        parts = self._prompt_parts(parsed, model, flows)
+        async with contextlib.aclosing(self._merged(flows)) as stream:
             async for prompt_no, chunk in stream:
                 if chunk.error is not None:  # after the first byte: in band, and the stream ends
                     self._account(model.name, None, chunk.revision)
@@ -901,10 +932,10 @@ class GatewayService:
                 extension = {}
                 if chunk.is_final:
                     finals.append(chunk)
-                    legs_open -= 1
-                    extension = {"strata": self._finished(rid, model, legs[prompt_no].gen, chunk, first_at)}
+                    flows_open -= 1
+                    extension = {"strata": self._finished(rid, model, flows[prompt_no].gen, chunk, first_at)}
                 # The strata extension: on the usage chunk if asked, else on the last one.
-                on_last = {} if parsed.include_usage or legs_open else extension
+                on_last = {} if parsed.include_usage or flows_open else extension
                 choice_done = chunk.finish_reason is not None
                 usage_now = usage_null
                 if parsed.continuous_usage:  # stream_options.continuous_usage_stats: the usage so far, every chunk
@@ -943,19 +974,6 @@ class GatewayService:
         await response.write_eof()
         self.metrics.e2e.labels(model.name).observe(time.time() - arrival)
         return response
-
-
-@dataclass
-class Leg:
-    """One engine request of an HTTP request (one per prompt of a batch): its queue of chunks,
-    its first chunk once it came, and whether its stream ended (else it is cancelled)."""
-
-    gen: GenerateRequest
-    ids: list[int]
-    queue: asyncio.Queue
-    timer: asyncio.TimerHandle
-    first: TokenChunk | None = None
-    done: bool = False
 
 
 def parse_json(raw: bytes):

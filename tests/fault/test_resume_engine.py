@@ -48,7 +48,7 @@ def test_a_resumed_request_continues_the_uninterrupted_stream(engine, cut, sampl
     engine.abort_request("first-leg")
     engine.step()
     rest_tokens, rest_text, rest_reason, completion = run(
-        engine, "second-leg", prompt + sent_tokens, SamplingParams(max_tokens=40 - cut, ignore_eos=True, **sampling),
+        engine, "second-leg", prompt + sent_tokens, SamplingParams(max_tokens=40, ignore_eos=True, **sampling),
         resumed=(cut, len(sent_text)))
     assert sent_tokens + rest_tokens == full_tokens
     assert sent_text + rest_text == full_text
@@ -68,7 +68,7 @@ def test_text_held_back_for_a_stop_string_is_delivered_after_the_resume(engine):
     delivered = prefix[:max(len(prefix) - (len(stop) - 1), 0)]  # what the holdback let through
     rest_tokens, rest_text, rest_reason, _ = run(
         engine, "resumed-stop", prompt + full_tokens[:cut], SamplingParams(
-            max_tokens=30 - cut, ignore_eos=True, temperature=0.0, stop=[stop]), resumed=(cut, len(delivered)))
+            max_tokens=30, ignore_eos=True, temperature=0.0, stop=[stop]), resumed=(cut, len(delivered)))
     assert full_tokens[:cut] + rest_tokens == full_tokens
     assert delivered + rest_text == full_text
     assert rest_reason == "stop"
