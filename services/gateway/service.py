@@ -1,10 +1,13 @@
 """The gateway: OpenAI-compatible HTTP + SSE in front of the bus.
 
 A request is authenticated and rate limited (Redis, shared by all gateway replicas), tokenized
-(chat template included), and published to the schedulers; its token stream arrives on this
-gateway's inbox straight from the engine. Errors before the first byte carry their HTTP status;
-after it, an in-band `data: {"error": ...}` event ends the stream. A client that goes away
-cancels its request down to the engine. A stream whose engine replica dies continues on another
+(chat template included), checked against the limits its model's replicas advertise, and
+published to the schedulers; its token stream arrives on this gateway's inbox straight from the
+engine, in one TokenChunkBatch per engine step for all of this gateway's requests (`batch_to`),
+or chunk by chunk on the request's own subject. Each request's state is one Flow
+(services.gateway.flow), opened and closed once. Errors before the first byte carry their HTTP
+status; after it, an in-band `data: {"error": ...}` event ends the stream. A client that goes
+away cancels its request down to the engine. A stream whose engine replica dies continues on another
 one from the tokens already sent (services.gateway.migration).
 """
 
