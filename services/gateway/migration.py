@@ -2,17 +2,17 @@
 
 A request the gateway serves is a flow (services.gateway.flow) of one or more legs. A leg is one
 engine's run of it, with its own request id on the bus (the original id, then `<id>-m1`,
-`<id>-m2`) and the request's reply subject. The gateway learns a leg's replica from the engine's acceptance notice
-(`<reply_to>.accepted`) or from its chunks, and watches every replica's heartbeats. When a
-leg's replica falls silent, its stream loses a chunk, or it drains away from the request, the
-gateway cancels that leg (a replica presumed dead may be alive) and submits the next one: the
-original prompt followed by every completion token delivered so far, the same sampling (the
-original max_tokens: the engine counts the delivered tokens, `resume.generated`, against it),
-and `resume` set, so the engine continues exactly where the client is (greedy and seeded output
-are the same as without the fault). Chunks of earlier legs are
-dropped. Past MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error;
-so does a stream of several choices (n > 1), at once (each prompt of a batch is a flow of its
-own, and migrates as one).
+`<id>-m2`) and the request's reply subject. The gateway learns a leg's replica from the engine's
+acceptance notice (`<reply_to>.accepted`) or from its chunks, and watches every replica's
+heartbeats. When a leg's replica falls silent, its stream loses a chunk, or it drains away from
+the request, the gateway cancels that leg (a replica presumed dead may be alive) and submits the
+next one: the original prompt followed by every completion token delivered so far, the same
+sampling (the original max_tokens: the engine counts the delivered tokens, `resume.generated`,
+against it), and `resume` set, so the engine continues exactly where the client is (greedy and
+seeded output are the same as without the fault). Chunks of earlier legs are dropped. Past
+MAX_MIGRATIONS, or when no replica takes it, the stream ends with an in-band error; so does a
+stream of several choices (n > 1), at once (each prompt of a batch is a flow of its own, and
+migrates as one).
 
 A replica is presumed dead only on evidence that holds under overload: its heartbeats (sent from
 a thread that never waits on a step) stopped AND the stream itself got nothing for as long; or
@@ -105,7 +105,7 @@ class Migrator:
         self.bus = None
         self.replicas: dict[str, ReplicaLiveness] = {}  # replica id -> what its heartbeats showed
         self._blind_until = 0.0  # after a NATS outage or a late loop, silence says nothing about the replicas
-        self._heartbeats = None
+        self._heartbeats = None  # the heartbeat subscription (its backlog: heartbeats not read yet)
         self.bucket = TokenBucket(MIGRATIONS_PER_S, MIGRATION_BURST)
         self._reconnects = 0
         self._suspects: dict[str, tuple[str, int]] = {}  # request id -> (leg, seq) when the bus came back

@@ -7,8 +7,8 @@ engine, in one TokenChunkBatch per engine step for all of this gateway's request
 or chunk by chunk on the request's own subject. Each request's state is one Flow
 (services.gateway.flow), opened and closed once. Errors before the first byte carry their HTTP
 status; after it, an in-band `data: {"error": ...}` event ends the stream. A client that goes
-away cancels its request down to the engine. A stream whose engine replica dies continues on another
-one from the tokens already sent (services.gateway.migration).
+away cancels its request down to the engine. A stream whose engine replica dies continues on
+another one from the tokens already sent (services.gateway.migration).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class GatewayService:
         await self.bus.subscribe(protocol.LORA_ADAPTERS_ALL, protocol.LoraAdaptersChanged, self.adapters.on_change)
         await self.adapters.refresh_all()
         await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_chunk)
-        await self.bus.nc.subscribe(self._inbox, cb=self._on_batch)
+        await self.bus.nc.subscribe(self.batch_subject, cb=self._on_batch)
         await self.bus.nc.subscribe(protocol.accepted(f"{self._inbox}.*"), cb=self._on_accepted)
         heartbeats = await self.bus.subscribe(protocol.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         self._stats_sub = await self.bus.subscribe(protocol.SCHEDULER_STATS_ALL, SchedulerStats,
@@ -303,6 +303,11 @@ class GatewayService:
         log.info("deployment served", deployment=name, aliases=spec.aliases, revision=deployment.state.stable)
 
     # ---- plumbing ---------------------------------------------------------------------------
+    @property
+    def batch_subject(self) -> str:
+        """Where engines send this gateway's TokenChunkBatches (GenerateRequest.batch_to)."""
+        return self._inbox
+
     async def _on_chunk(self, msg) -> None:
         """A chunk of one request, alone on its reply subject `<inbox>.<request id>`."""
         rid = msg.subject.rsplit(".", 1)[1]
@@ -715,7 +720,7 @@ class GatewayService:
                               prompt_token_ids=ids, sampling=sampling, deadline=deadline,
                               tenant=key.tenant, priority=key.priority,
                               timestamps={"gateway_received": arrival}, region=self.cfg.region or None,
-                              lora=lora, batch_to=self._inbox)
+                              lora=lora, batch_to=self.batch_subject)
         tracing.annotate_request(gen, stream)
         flow = Flow(gen, asyncio.Queue())
         # The engine ends the request at its deadline; if even that final chunk never comes

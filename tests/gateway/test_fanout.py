@@ -113,7 +113,8 @@ async def test_a_batch_with_requests_for_two_gateways_reaches_each_once(stack):
         for req in requests:
             assert req.batch_to and req.reply_to.startswith(req.batch_to + "."), req
             by_gateway.setdefault(req.batch_to, []).append(req)
-        assert sorted(by_gateway) == sorted([gw_a._inbox, gw_b._inbox]) and gw_a._inbox != gw_b._inbox
+        assert sorted(by_gateway) == sorted([gw_a.batch_subject, gw_b.batch_subject])
+        assert gw_a.batch_subject != gw_b.batch_subject
         assert all(len(reqs) == 2 for reqs in by_gateway.values())
         token_of = {req.request_id: 100 + 10 * i for i, req in enumerate(requests)}
         for seq in range(steps):
