@@ -24,10 +24,10 @@ burst of them cannot re-run prompts all at once on replicas that are already the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from prometheus_client import Counter
 
 from services.gateway.openai_api import ApiError
@@ -301,9 +301,9 @@ class Migrator:
             if flow.closed:
                 return
             flow.migrations += 1
-            leg = dataclasses.replace(
+            leg = msgspec.structs.replace(
                 gen, request_id=f"{rid}-m{flow.migrations}", prompt_token_ids=gen.prompt_token_ids + flow.token_ids,
-                sampling=dataclasses.replace(gen.sampling, max_tokens=remaining), timestamps=dict(gen.timestamps),
+                sampling=msgspec.structs.replace(gen.sampling, max_tokens=remaining), timestamps=dict(gen.timestamps),
                 resume=Resume(request_id=rid, generated=len(flow.token_ids), text_chars=flow.text_chars,
                               replica_id=flow.replica, attempt=flow.migrations))
             log.warning("stream migrating", request_id=rid, leg=leg.request_id, replica_id=flow.replica,
