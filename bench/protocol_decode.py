@@ -6,7 +6,7 @@ path). The old protocol is shared/protocol.py at --old-ref, loaded as a module o
 arm runs --loops encode+decode rounds per repeat, the arms interleaved; best and median of
 --repeats. It also checks each version reads the other's bytes (the wire stays compatible).
 
-    python bench/protocol_decode.py [--old-ref 59e6560] [--repeats 9] [--tokens 32768]
+    python bench/protocol_decode.py [--old-ref 59e6560] [--repeats 15] [--tokens 32768]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--old-ref", default=OLD_REF, help="the git ref of the old shared/protocol.py")
     ap.add_argument("--tokens", type=int, default=32_768, help="prompt tokens of the GenerateRequest")
     ap.add_argument("--chunks", type=int, default=32, help="chunks of the TokenChunkBatch")
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="bench/results/protocol_decode.json")
     args = ap.parse_args(argv)
     old = load_old(args.old_ref)

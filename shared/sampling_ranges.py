@@ -56,7 +56,8 @@ class Range:
         """None if `value` is in range, else why not: 'must be in [0, 2], got 5'."""
         if self.contains(value):
             return None
-        kind = "an integer " if self.integer and (isinstance(value, bool) or not isinstance(value, int)) else ""
+        number = not isinstance(value, bool) and isinstance(value, int if self.integer else (int, float))
+        kind = "" if number else "an integer " if self.integer else "a number "
         return f"must be {kind}{self.describe()}, got {value!r}"
 
     def json_schema(self) -> dict:
