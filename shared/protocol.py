@@ -492,7 +492,8 @@ class GenerateRequest(Envelope):
     def _out_of_range(self) -> str | None:
         if self.priority is not None and self.priority not in PRIORITIES:
             return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
-        problem = check_sampling(self.sampling)  # the ranges gateway and engine check too
+        # The ranges the gateway and the engine check too (rules between fields: the engine's).
+        problem = check_sampling(self.sampling, between_fields=False)
         return f"sampling.{problem[0]} {problem[1]}" if problem else None
 
 

@@ -10,6 +10,7 @@ this table, so a value one of them accepts is never refused by another. The sema
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,8 +40,8 @@ class Range:
                 return False
             if value in self.off:
                 return True
-        elif not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
+        elif not isinstance(value, (int, float)) or abs(value) > sys.float_info.max or not math.isfinite(value):
+            return False  # (an int past the largest float too: math.isfinite would overflow on it)
         if value < self.lo or (self.lo_open and value == self.lo):
             return False
         return self.hi is None or value <= self.hi
@@ -58,7 +59,8 @@ class Range:
             return None
         number = not isinstance(value, bool) and isinstance(value, int if self.integer else (int, float))
         kind = "" if number else "an integer " if self.integer else "a number "
-        return f"must be {kind}{self.describe()}, got {value!r}"
+        shown = repr(value)
+        return f"must be {kind}{self.describe()}, got {shown if len(shown) <= 40 else shown[:37] + '...'}"
 
     def json_schema(self) -> dict:
         """The range as JSON Schema (the gateway's OpenAPI description)."""
@@ -102,11 +104,13 @@ def max_tokens_range(prefill_only: bool) -> Range:
     return replace(plain, lo=0) if prefill_only else plain
 
 
-def check(params: Any) -> tuple[str, str] | None:
+def check(params: Any, between_fields: bool = True) -> tuple[str, str] | None:
     """The first sampling parameter of `params` (a SamplingSpec or the engine's SamplingParams:
     anything with these attributes) out of range, as (name, why), or None. Unset (None) values
-    are not checked; cross-field rules are: max_tokens 0 only with prompt_logprobs, and then n 1;
-    min_tokens at most max_tokens; every logit_bias value in LOGIT_BIAS."""
+    are not checked; every logit_bias value must be in LOGIT_BIAS, and max_tokens may be 0 only
+    with prompt_logprobs. `between_fields`: the engine's rules between fields too (min_tokens at
+    most max_tokens; n 1 with max_tokens 0). The gateway and the wire leave those to the engine:
+    a resumed stream's legs carry the max_tokens left, not the request's."""
     for name, range_ in RANGES.items():
         value = getattr(params, name)
         if name == "max_tokens":
@@ -116,11 +120,12 @@ def check(params: Any) -> tuple[str, str] | None:
             if name == "max_tokens" and value == 0:
                 why += " (0 only with prompt_logprobs)"
             return name, why
-    if params.max_tokens == 0 and params.n > 1:
-        return "n", "max_tokens 0 (prefill only) has no choices to fork: n must be 1"
-    if params.min_tokens > params.max_tokens:
-        return "min_tokens", f"must be at most max_tokens={params.max_tokens}, got {params.min_tokens}"
     for token, bias in (params.logit_bias or {}).items():
         if not LOGIT_BIAS.contains(bias):
             return "logit_bias", f"bias of token {token} {LOGIT_BIAS.problem(bias)}"
+    if between_fields:
+        if params.max_tokens == 0 and params.n > 1:
+            return "n", "max_tokens 0 (prefill only) has no choices to fork: n must be 1"
+        if params.min_tokens > params.max_tokens:
+            return "min_tokens", f"must be at most max_tokens={params.max_tokens}, got {params.min_tokens}"
     return None

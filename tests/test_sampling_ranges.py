@@ -25,8 +25,13 @@ def probes(name: str) -> list:
     return [v for v in dict.fromkeys(values) if v is not None]
 
 
+def fields(name: str, value) -> dict:
+    # min_tokens: with room for it (at most max_tokens is a rule between fields, the engine's).
+    return {name: value, **({"max_tokens": INT32_MAX} if name == "min_tokens" else {})}
+
+
 def body(name: str, value) -> dict:
-    return {"model": "m", "prompt": "x", name: value}
+    return {"model": "m", "prompt": "x", **fields(name, value)}
 
 
 def gateway_accepts(name: str, value) -> bool:
@@ -40,7 +45,7 @@ def gateway_accepts(name: str, value) -> bool:
 
 def wire_accepts(name: str, value) -> bool:
     payload = {"v": 1, "request_id": "r", "model": "m", "reply_to": "_INBOX.r", "prompt": "x",
-               "sampling": {name: value}}
+               "sampling": fields(name, value)}
     try:
         protocol.decode(protocol.GenerateRequest, msgpack.packb(payload))
     except protocol.InvalidRequest as exc:
@@ -53,7 +58,7 @@ def wire_accepts(name: str, value) -> bool:
 
 def engine_accepts(name: str, value) -> bool:
     try:
-        SamplingParams(**{name: value}).resolved().validate(VOCAB)
+        SamplingParams(**fields(name, value)).resolved().validate(VOCAB)
     except InvalidRequestError as exc:
         assert exc.param == name, exc
         return False
@@ -75,8 +80,6 @@ def test_every_layer_accepts_exactly_the_table(name):
     disagreements = []
     for value in probes(name):
         expected = RANGES[name].contains(value)
-        if name == "min_tokens" and isinstance(value, int) and not isinstance(value, bool) and value > 16:
-            expected = False  # at most max_tokens (16 by default): a rule between fields, the same everywhere
         seen = {"wire": wire_accepts(name, value), "engine": engine_accepts(name, value)}
         if name in GATEWAY_FIELDS:
             seen["gateway"] = gateway_accepts(name, value)
@@ -98,22 +101,24 @@ def test_vllm_semantics():
     assert engine_accepts("top_k", INT32_MAX) and not engine_accepts("top_k", INT32_MAX + 1)
 
 
-def test_rules_between_fields_are_the_same_at_every_layer():
-    # min_tokens above max_tokens, max_tokens 0 without prompt logprobs, n > 1 with max_tokens 0.
+def test_rules_between_fields():
+    """max_tokens 0 only with prompt logprobs, everywhere; min_tokens at most max_tokens and n 1
+    with max_tokens 0 at the engine (a resumed stream's leg carries the max_tokens left, so the
+    wire cannot hold min_tokens to it; the gateway's OpenAPI schema cannot say them either)."""
     with pytest.raises(oa.ApiError) as info:
-        oa.parse_completion({"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5})
-    assert info.value.param == "min_tokens"
-    with pytest.raises(InvalidRequestError) as err:
-        SamplingParams(max_tokens=4, min_tokens=5).resolved().validate(VOCAB)
-    assert err.value.param == "min_tokens"
-    for sampling, needle in (({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
-                             ({"max_tokens": 0}, "sampling.max_tokens"),
-                             ({"max_tokens": 0, "prompt_logprobs": 0, "n": 2}, "sampling.n"),
-                             ({"logit_bias": {5: 101.0}}, "sampling.logit_bias")):
+        oa.parse_completion(body("max_tokens", 0))
+    assert info.value.param == "max_tokens"
+    assert oa.parse_completion({**body("max_tokens", 0), "echo": True}).sampling.prompt_logprobs == 0
+    for params, param in ((dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(max_tokens=0), "max_tokens"),
+                          (dict(max_tokens=0, prompt_logprobs=0, n=2), "n"), (dict(logit_bias={5: 101.0}), "logit_bias")):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**params).resolved().validate(VOCAB)
+        assert err.value.param == param
+    for sampling, refused in (({"max_tokens": 0}, "sampling.max_tokens"), ({"logit_bias": {5: 101.0}}, "sampling.logit_bias"),
+                              ({"max_tokens": 4, "min_tokens": 5}, None), ({"max_tokens": 0, "prompt_logprobs": 0, "n": 2}, None)):
         payload = {"v": 1, "request_id": "r", "model": "m", "reply_to": "_INBOX.r", "prompt": "x", "sampling": sampling}
-        with pytest.raises(protocol.InvalidRequest, match=needle):
+        if refused:
+            with pytest.raises(protocol.InvalidRequest, match=refused):
+                protocol.decode(protocol.GenerateRequest, msgpack.packb(payload))
+        else:
             protocol.decode(protocol.GenerateRequest, msgpack.packb(payload))
-    # A chat request without max_tokens gets it from the service (as many as fit): min_tokens is
-    # checked then, by the wire, not against the placeholder.
-    parsed, _ = oa.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 40})
-    assert parsed.sampling.min_tokens == 40

@@ -13,7 +13,6 @@ from services.gateway.prompt_logprobs import PromptOptions
 from services.gateway.structured_outputs import parse_structured
 from shared.layers import by_component, layer_timings
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
-from shared import sampling_ranges
 from shared.sampling_ranges import MAX_STOP_STRINGS, RANGES, Range, max_tokens_range
 
 if TYPE_CHECKING:
@@ -176,14 +175,6 @@ def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> Samp
     )
 
 
-def check_sampling(spec: SamplingSpec) -> None:
-    """The rules between fields (min_tokens <= max_tokens, ...; sampling_ranges.check), as the
-    wire and the engine check them: a 400 naming the field."""
-    problem = sampling_ranges.check(spec)
-    if problem:
-        raise bad(f"'{problem[0]}' {problem[1]}", problem[0])
-
-
 def _common(body: Any) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -212,7 +203,6 @@ def parse_completion(body: Any) -> ParsedRequest:
                            choices=parse_choices(body, stream), prompts=prompts, continuous_usage=continuous_usage,
                            unknown_fields=request_fields.unknown_fields("/v1/completions", body))
     parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
-    check_sampling(parsed.sampling)
     return parsed
 
 
@@ -253,8 +243,6 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.
     parsed.extra["max_tokens_unset"] = "max_tokens" not in body and "max_completion_tokens" not in body
-    if not parsed.extra["max_tokens_unset"]:  # (else the wire's validate checks min_tokens once it is set)
-        check_sampling(parsed.sampling)
     return parsed, clean
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.sampling_ranges import LOGIT_BIAS, RANGES
+from shared.sampling_ranges import LOGIT_BIAS, MAX_STOP_STRINGS, RANGES
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -24,7 +24,7 @@ _SAMPLING = {
     "min_p": RANGES["min_p"].json_schema(),
     "seed": RANGES["seed"].json_schema(),
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}]},
     "stop_token_ids": {"type": "array", "items": TOKEN_ID},
     "ignore_eos": {"type": "boolean"},
     "presence_penalty": RANGES["presence_penalty"].json_schema(),
