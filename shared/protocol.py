@@ -18,14 +18,13 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from msgspec import field
 
-from shared.sampling_ranges import INT32_MAX, MAX_LOGPROBS, check as check_sampling  # noqa: F401 (MAX_LOGPROBS: re-exported)
+from shared.sampling_ranges import check as check_sampling
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})  # (a reader of several would decode a union of each one's Structs)
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 PRIORITIES = ("critical", "standard", "sheddable")  # admission classes, highest first
-MAX_TOKENS_LIMIT = INT32_MAX  # the most max_tokens may ask for; engines also bound it by their context
-# (MAX_LOGPROBS, and every other sampling range: shared.sampling_ranges)
+# The sampling ranges (max_tokens, logprobs, ...): shared.sampling_ranges, read by gateway, wire and engine.
 
 # ---- Subjects -------------------------------------------------------------------------------
 PREFIX = "strata.v1"
