@@ -1,28 +1,30 @@
 """The wire protocol: every NATS subject and message type, defined once.
 
-Payloads are msgpack maps carrying a schema version `v`. Decoding checks the version and every
-field's presence and type, ignores unknown fields (so newer senders can add some), and raises
+Messages are msgspec Structs; payloads are msgpack maps carrying a schema version `v`. Decoding
+(msgspec's, one cached typed decoder per message class) checks the version and every field's
+presence and type, ignores unknown fields (so newer senders can add some), and raises
 `ProtocolError` -- and nothing else -- on bad input. docs/protocol.md documents all of it for
 other teams' services.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import re
+import sys
 import types
 import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-import msgpack
+import msgspec
+from msgspec import field
+
+from shared.sampling_ranges import check as check_sampling
 
 SCHEMA_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+SUPPORTED_VERSIONS = frozenset({1})  # (a reader of several would decode a union of each one's Structs)
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 PRIORITIES = ("critical", "standard", "sheddable")  # admission classes, highest first
-MAX_TOKENS_LIMIT = 2**31 - 1  # the most max_tokens may ask for; engines also bound it by their context
-MAX_LOGPROBS = 20
+# The sampling ranges (max_tokens, logprobs, ...): shared.sampling_ranges, read by gateway, wire and engine.
 
 # ---- Subjects -------------------------------------------------------------------------------
 PREFIX = "strata.v1"
@@ -152,177 +154,214 @@ class ErrorCode:
 
 
 # ---- Messages -------------------------------------------------------------------------------
+# Decoding is msgspec's (C): one cached msgspec.msgpack.Decoder per message class checks every
+# field's presence and type as it parses. The rules the protocol had before msgspec are kept by
+# deriving each field's *wire type* from its declared one, once per class (`_prepare`):
+# - a float is finite (nan and inf are refused), and an int is accepted for it (msgspec's own rule);
+# - a field with a default other than None also accepts nil, which means the default (absent and
+#   nil are the same on the wire): `Message.__post_init__` puts the default back;
+# - unknown fields are ignored (msgspec's default), so newer senders may add fields.
+# A message sent on its own (`Envelope`) carries the schema version `v` as its msgspec tag: it is
+# encoded first, and decoding refuses a missing or other version.
+FINITE = msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)  # nan fails both bounds
+FiniteFloat = Annotated[float, FINITE]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # a prompt's token ids (signed 64-bit)
+
 M = TypeVar("M", bound="Message")
+E = TypeVar("E", bound="Envelope")
 
 
-class Message:
-    """Base of every wire message: a dataclass with typed fields, validated on decode.
+class Message(msgspec.Struct, omit_defaults=True):
+    """Base of every wire struct (a message, or a part of one). Fields at their default are not
+    encoded (a reader fills the default in): a default is part of the schema."""
 
-    Each class's field checkers are compiled once from its type hints, so decoding costs a few
-    function calls per field (messages are decoded on every hop of every token stream).
-    """
-
-    _fields: ClassVar[list[tuple[str, Any, bool]]]
+    def __post_init__(self) -> None:  # nil means the default (see above); runs on decode and on init
+        defaults = _NONE_DEFAULTS.get(type(self))
+        if defaults is None:
+            defaults = _prepare(type(self))
+        for name, default, factory in defaults:
+            if getattr(self, name) is None:
+                setattr(self, name, default() if factory else default)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in _field_names(type(self)):
-            value = getattr(self, name)
-            if value is not None:  # absent and None are the same on the wire
-                out[name] = _to_wire(value)
-        return out
+        """The message as builtins (nested messages as dicts), None fields left out; no `v`."""
+        return {name: _to_builtins(value) for name in self.__struct_fields__
+                if (value := getattr(self, name)) is not None}
 
     @classmethod
     def from_dict(cls: type[M], data: Any, where: str = "") -> M:
-        where = where or cls.__name__
-        if not isinstance(data, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        kwargs = {}
-        for name, check, required in _compiled(cls):
-            value = data.get(name)
-            if value is not None:
-                kwargs[name] = check(value, f"{where}.{name}")
-            elif required:
-                raise ProtocolError(f"{where}: missing required field {name!r}")
-        msg = cls(**kwargs)
-        msg.validate()
+        """A message from builtins (as to_dict gives), checked as decode checks bytes."""
+        try:
+            msg = msgspec.convert(data, _wire_target(cls, tagged=False))
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(_explain(where or cls.__name__, str(exc))) from None
+        _check(msg)
         return msg
 
     def validate(self) -> None:
-        """Cross-field checks; raise ProtocolError."""
+        """Cross-field checks after decoding; raise ProtocolError."""
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_COMPILED: dict[type, list[tuple[str, Any, bool]]] = {}
+def _version_tag(class_name: str) -> int:
+    return SCHEMA_VERSION
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+class Envelope(Message, tag_field="v", tag=_version_tag):
+    """A message sent on its own, a subject's payload: its map carries the schema version `v`."""
 
 
-def _compiled(cls: type) -> list[tuple[str, Any, bool]]:
-    fields = _COMPILED.get(cls)
-    if fields is None:
-        hints = typing.get_type_hints(cls)
-        fields = _COMPILED[cls] = [
-            (f.name, _checker(hints[f.name]),
-             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls)]
-    return fields
+class _OtherVersion(Envelope, tag=0):
+    """Decoding needs a union of two tagged structs for msgspec to require the tag; v = 0 is
+    never a supported version, so this one only ever means "refused"."""
 
 
-def _to_wire(value: Any) -> Any:
+_NONE_DEFAULTS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}  # (field, default, is a factory)
+_NESTED: dict[type, tuple[str, ...]] = {}  # fields holding messages that validate() something
+_DECODERS: dict[type, msgspec.msgpack.Decoder] = {}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _prepare(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """Derive `cls`'s wire types (and its nested messages'), once, before any decoder reads them:
+    msgspec reads a class's annotations when it first builds a decoder for it."""
+    if cls in _NONE_DEFAULTS:
+        return _NONE_DEFAULTS[cls]
+    _NONE_DEFAULTS[cls] = ()  # (messages do not nest themselves; this only guards a loop)
+    none_defaults, nested = [], []
+    for f in msgspec.structs.fields(cls):
+        wire = _wire_type(f.type)
+        if f.default_factory is not msgspec.NODEFAULT:
+            none_defaults.append((f.name, f.default_factory, True))
+        elif f.default is not msgspec.NODEFAULT and f.default is not None:
+            none_defaults.append((f.name, f.default, False))
+        if none_defaults and none_defaults[-1][0] == f.name:
+            wire = typing.Optional[wire]
+        cls.__annotations__[f.name] = wire
+        inner = _messages_in(f.type)
+        for m in inner:
+            _prepare(m)
+        if any(_validates(m) for m in inner):
+            nested.append(f.name)
+    _NESTED[cls] = tuple(nested)
+    _NONE_DEFAULTS[cls] = tuple(none_defaults)
+    return _NONE_DEFAULTS[cls]
+
+
+def _wire_type(hint: Any) -> Any:
+    if hint is float:
+        return FiniteFloat
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_wire_type(a) for a in args)]
+    if origin is list:
+        return list[_wire_type(args[0])]
+    if origin is dict:
+        return dict[_wire_type(args[0]), _wire_type(args[1])]
+    return hint
+
+
+def _messages_in(hint: Any) -> list[type]:
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return [hint]
+    return [m for a in typing.get_args(hint) for m in _messages_in(a)]
+
+
+def _validates(cls: type) -> bool:
+    return cls.validate is not Message.validate or bool(_NESTED.get(cls))
+
+
+def _check(msg: Message) -> None:
+    """validate() of every nested message that has one, then of `msg` itself."""
+    for name in _NESTED[type(msg)]:
+        value = getattr(msg, name)
+        for part in (value.values() if isinstance(value, dict) else value if isinstance(value, list)
+                     else (value,)):
+            if isinstance(part, Message):
+                _check(part)
+    msg.validate()
+
+
+def _wire_target(cls: type, tagged: bool) -> Any:
+    _prepare(cls)
+    return typing.Union[cls, _OtherVersion] if tagged else cls
+
+
+def _decoder(cls: type[Envelope]) -> msgspec.msgpack.Decoder:
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        if not (isinstance(cls, type) and issubclass(cls, Envelope)):
+            raise TypeError(f"{cls!r} is not a message sent on its own (an Envelope)")
+        decoder = _DECODERS[cls] = msgspec.msgpack.Decoder(_wire_target(cls, tagged=True))
+    return decoder
+
+
+def _to_builtins(value: Any) -> Any:
     if isinstance(value, Message):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value] if value and isinstance(value[0], (Message, list, dict)) else list(value)
+        return [_to_builtins(v) for v in value] if value and isinstance(value[0], (Message, list, dict)) else list(value)
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: _to_builtins(v) for k, v in value.items()}
     return value
 
 
-def _checker(hint: Any):
-    """A function (value, where) -> value converted to hint's type, raising ProtocolError."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [_checker(a) for a in typing.get_args(hint) if a is not type(None)]
-        if len(options) == 1:
-            return options[0]
-
-        def check_union(value, where):
-            errors = []
-            for option in options:
-                try:
-                    return option(value, where)
-                except ProtocolError as exc:
-                    errors.append(str(exc))
-            raise ProtocolError(f"{where}: no accepted type matched ({'; '.join(errors)})")
-        return check_union
-    if origin is list:
-        (item_hint,) = typing.get_args(hint)
-        if item_hint is int:  # token ids and hashes: the hot case
-            def check_int_list(value, where):
-                if not isinstance(value, (list, tuple)):
-                    raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-                for i, v in enumerate(value):
-                    if type(v) is not int:
-                        raise ProtocolError(f"{where}[{i}]: expected an integer, got {type(v).__name__}")
-                return list(value)
-            return check_int_list
-        item = _checker(item_hint)
-
-        def check_list(value, where):
-            if not isinstance(value, (list, tuple)):
-                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return check_list
-    if origin is dict:
-        key_check, val_check = (_checker(a) for a in typing.get_args(hint))
-
-        def check_dict(value, where):
-            if not isinstance(value, dict):
-                raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-            return {key_check(k, f"{where} key"): val_check(v, f"{where}[{k!r}]") for k, v in value.items()}
-        return check_dict
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return lambda value, where: hint.from_dict(value, where)
-    if hint is Any:
-        return lambda value, where: value
-    if hint is float:
-        def check_float(value, where):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ProtocolError(f"{where}: expected a finite number, got {value}")
-            return value
-        return check_float
-    if hint is int:
-        def check_int(value, where):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
-            return value
-        return check_int
-    if hint in (str, bool, bytes):
-        def check_simple(value, where):
-            if not isinstance(value, hint):
-                raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-            return value
-        return check_simple
-    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
+# msgspec's words for types and bounds, as this protocol's errors have always said them.
+_KINDS = {"int": "an integer", "float": "a number", "object": "a map", "array": "a list", "null": "nil"}
+_BOUNDS = {"float": "a finite number", "int": "an integer in [0, 2**63)"}  # FiniteFloat, TokenId
+_ERROR = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_EXPECTED = re.compile(r"Expected `(?P<want>[^`]+)`(?:, got `(?P<got>[^`]+)`| (?P<bound>[<>]=? .+))?$", re.S)
 
 
-def encode(msg: Message) -> bytes:
-    payload = msg.to_dict()
-    payload["v"] = SCHEMA_VERSION
-    return msgpack.packb(payload, use_bin_type=True)
+def _explain(where: str, text: str) -> str:
+    """msgspec's ValidationError as `Where.path: what` (a ProtocolError's message)."""
+    m = _ERROR.match(text)
+    what, path = m["what"], m["path"] or ""
+    if path == ".v" or (not path and what == "Object missing required field `v`"):
+        if what.startswith("Object missing"):
+            return f"{where}: missing schema version 'v'"
+        return (f"{where}: unsupported schema version ({what.replace('Invalid value', 'got')}) "
+                f"(supported: {sorted(SUPPORTED_VERSIONS)})")
+    where += path
+    if what.startswith("Object missing required field `"):
+        return f"{where}: missing required field '{what[31:-1]}'"
+    expected = _EXPECTED.match(what)
+    if expected is None:
+        return f"{where}: {what}"
+    kinds = [k for k in expected["want"].split(" | ") if k != "null"] or ["null"]
+    if expected["bound"]:
+        return f"{where}: expected {_BOUNDS.get(kinds[0], kinds[0])}, got {expected['bound']}"
+    want = " or ".join(_KINDS.get(k, k) for k in kinds)
+    return f"{where}: expected {want}, got {expected['got']}" if expected["got"] else f"{where}: expected {want}"
 
 
-def decode(cls: type[M], data: bytes) -> M:
+def encode(msg: Envelope) -> bytes:
+    if not isinstance(msg, Envelope):
+        raise TypeError(f"{type(msg).__name__} is not a message sent on its own (an Envelope)")
+    return _ENCODER.encode(msg)
+
+
+def decode(cls: type[E], data: bytes) -> E:
     """Decode `data` as a `cls` message; raises ProtocolError on anything malformed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{cls.__name__}: payload must be bytes")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"{cls.__name__}: payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"{cls.__name__}: payload of {size} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    decoder = _decoder(cls)
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(f"{cls.__name__}: not valid msgpack ({exc.__class__.__name__}: {exc})") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
-    version = obj.get("v")
-    if version is None:
-        raise ProtocolError(f"{cls.__name__}: missing schema version 'v'")
-    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_VERSIONS:
-        raise ProtocolError(f"{cls.__name__}: unsupported schema version {version!r} "
-                            f"(supported: {sorted(SUPPORTED_VERSIONS)})")
-    return cls.from_dict(obj)
+        msg = decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(_explain(cls.__name__, str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{cls.__name__}: not valid msgpack ({exc})") from None
+    except RecursionError:
+        raise ProtocolError(f"{cls.__name__}: nested too deeply") from None
+    if type(msg) is _OtherVersion:
+        raise ProtocolError(f"{cls.__name__}: unsupported schema version 0 (supported: {sorted(SUPPORTED_VERSIONS)})")
+    _check(msg)
+    return msg
 
 
-@dataclass
 class StructuredSpec(Message):
     """Structured output (vLLM's `structured_outputs`): exactly one constraint, which the engine
     compiles to a grammar and enforces with a token mask at every step."""
@@ -348,11 +387,11 @@ class StructuredSpec(Message):
             raise ProtocolError("StructuredSpec: choice must be a non-empty list of non-empty strings")
 
 
-@dataclass
 class SamplingSpec(Message):
-    """Sampling parameters on the wire; the engine validates their ranges. Absent (None)
-    temperature, top_p, top_k, min_p and repetition_penalty take the served model's
-    generation_config.json defaults, else 1.0, 1.0, -1 (off), 0.0 and 1.0."""
+    """Sampling parameters on the wire, in the ranges of shared.sampling_ranges (checked by
+    GenerateRequest.validate, as by the gateway and the engine). Absent (None) temperature,
+    top_p, top_k, min_p and repetition_penalty take the served model's generation_config.json
+    defaults, else 1.0, 1.0, -1 (off), 0.0 and 1.0."""
 
     max_tokens: int = 16
     temperature: float | None = None
@@ -385,7 +424,6 @@ class SamplingSpec(Message):
     include_stop_str_in_output: bool = False
 
 
-@dataclass
 class Resume(Message):
     """Marks a GenerateRequest as the continuation of a stream whose replica was lost: its
     prompt is the original prompt followed by the completion tokens already delivered."""
@@ -397,15 +435,14 @@ class Resume(Message):
     attempt: int = 1  # 1 for the first migration, 2 for the second, ...
 
 
-@dataclass
-class GenerateRequest(Message):
+class GenerateRequest(Envelope):
     """A generation request; the token stream goes to `reply_to`."""
 
     request_id: str
     model: str
     reply_to: str
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None  # each in [0, 2**63), checked as decoded
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     deadline: float | None = None  # unix seconds; the request is aborted after it
     tenant: str | None = None
@@ -442,10 +479,8 @@ class GenerateRequest(Message):
                 raise ProtocolError("GenerateRequest: resume.generated must be in [0, len(prompt_token_ids))")
             if self.resume.text_chars < 0:
                 raise ProtocolError("GenerateRequest: resume.text_chars must be >= 0")
-        if self.prompt_token_ids is not None and any(not 0 <= t < 2**63 for t in self.prompt_token_ids):
-            raise ProtocolError("GenerateRequest: prompt_token_ids must be in [0, 2**63)")
         s = self.sampling
-        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n", "min_tokens"):
             value = getattr(s, name)
             if value is not None and not -2**63 <= value < 2**63:
                 raise ProtocolError(f"GenerateRequest: sampling.{name} is outside the 64-bit range")
@@ -454,38 +489,25 @@ class GenerateRequest(Message):
             raise InvalidRequest(f"GenerateRequest: {problem}", self.request_id, self.reply_to)
 
     def _out_of_range(self) -> str | None:
-        s = self.sampling
         if self.priority is not None and self.priority not in PRIORITIES:
             return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
-        least = 0 if s.prompt_logprobs is not None else 1  # 0: prefill only, for the prompt's logprobs
-        if not least <= s.max_tokens <= MAX_TOKENS_LIMIT:
-            return f"sampling.max_tokens must be in [{least}, {MAX_TOKENS_LIMIT}], got {s.max_tokens}"
-        if s.top_k is not None and s.top_k != -1 and s.top_k < 1:
-            return f"sampling.top_k must be -1 (off) or >= 1, got {s.top_k}"
-        if s.seed is not None and s.seed < 0:
-            return f"sampling.seed must be >= 0, got {s.seed}"
-        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-            return f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}"
-        if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
-            return f"sampling.prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}"
-        return None
+        # The ranges the gateway and the engine check too (rules between fields: the engine's).
+        problem = check_sampling(self.sampling, between_fields=False)
+        return f"sampling.{problem[0]} {problem[1]}" if problem else None
 
 
-@dataclass
 class ErrorInfo(Message):
     code: str
     message: str
     retry_after_s: float | None = None  # overloaded: when trying again is likely to find room
 
 
-@dataclass
 class Usage(Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
 
 
-@dataclass
 class SpecDecodeUsage(Message):
     """Speculative decoding for one request: draft tokens verified and how many were accepted."""
 
@@ -497,7 +519,6 @@ class SpecDecodeUsage(Message):
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
-@dataclass
 class TokenLogprob(Message):
     token_id: int
     logprob: float
@@ -505,8 +526,7 @@ class TokenLogprob(Message):
     rank: int | None = None  # of token_id in the vocabulary (1 = the most likely); prompt logprobs only
 
 
-@dataclass
-class TokenChunk(Message):
+class TokenChunk(Envelope):
     """One message of a request's stream. The last one has `finish_reason` (or `error`)."""
 
     request_id: str
@@ -538,8 +558,7 @@ class TokenChunk(Message):
         return self.error is not None or (self.finish_reason is not None and self.choices_running == 0)
 
 
-@dataclass
-class TokenChunkBatch(Message):
+class TokenChunkBatch(Envelope):
     """One engine step's chunks for one gateway (GenerateRequest.batch_to): every request of
     that gateway that has news this step, in step order. The gateway hands each chunk to its
     request's stream exactly as if it had come alone on the request's reply_to."""
@@ -548,8 +567,7 @@ class TokenChunkBatch(Message):
     chunks: list[TokenChunk] = field(default_factory=list)
 
 
-@dataclass
-class Cancel(Message):
+class Cancel(Envelope):
     """Abort a request. A cancel naming a replica is for that replica's run of the request only
     (a scheduler withdrawing a forward that timed out): the other replicas ignore it, so it can
     never refuse the retry on another one."""
@@ -559,8 +577,7 @@ class Cancel(Message):
     replica_id: str | None = None
 
 
-@dataclass
-class GenerateAck(Message):
+class GenerateAck(Envelope):
     """An engine's answer on the NATS reply subject of a generate message (when it has one):
     accepted, or refused with an error. A refused request gets no chunk on `reply_to`: whoever
     asked (the scheduler) retries elsewhere or sends the caller the final error itself."""
@@ -572,16 +589,14 @@ class GenerateAck(Message):
     accepted_seq: int = 0  # engine: this request's place in its count of accepted requests
 
 
-@dataclass
-class ErrorReply(Message):
+class ErrorReply(Envelope):
     """Reply to a malformed or refused message that had a reply subject."""
 
     error: ErrorInfo
     request_id: str | None = None
 
 
-@dataclass
-class Heartbeat(Message):
+class Heartbeat(Envelope):
     replica_id: str
     model: str
     deployment: str
@@ -627,14 +642,12 @@ class Heartbeat(Message):
         _check_tokens(self, "replica_id", "model")
 
 
-@dataclass
 class KvBlockStored(Message):
     block_hash: int
     parent_hash: int | None = None
 
 
-@dataclass
-class KvEventBatch(Message):
+class KvEventBatch(Envelope):
     """Blocks an engine stored and removed since its previous batch; `seq` reveals gaps."""
 
     replica_id: str
@@ -649,21 +662,18 @@ class KvEventBatch(Message):
         _check_tokens(self, "replica_id", "model")
 
 
-@dataclass
-class KvSnapshot(Message):
+class KvSnapshot(Envelope):
     replica_id: str
     seq: int  # the event seq this snapshot is consistent with
     block_hashes: list[int] = field(default_factory=list)
     epoch: str = ""
 
 
-@dataclass
-class KvSnapshotRequest(Message):
+class KvSnapshotRequest(Envelope):
     replica_id: str | None = None
 
 
-@dataclass
-class SchedulerStats(Message):
+class SchedulerStats(Envelope):
     """A scheduler's admission queues, every second: the scaler's main signal."""
 
     scheduler_id: str
@@ -673,8 +683,7 @@ class SchedulerStats(Message):
     http_url: str = ""  # its /metrics and /health
 
 
-@dataclass
-class LogLine(Message):
+class LogLine(Envelope):
     """One structured log line of a service, as its JSON log line has it."""
 
     service: str  # gateway | scheduler | engine | ...
@@ -685,8 +694,7 @@ class LogLine(Message):
     fields: dict[str, Any] = field(default_factory=dict)  # the rest: request_id, replica_id, error, ...
 
 
-@dataclass
-class DeploymentChanged(Message):
+class DeploymentChanged(Envelope):
     """A deployment was applied, re-weighted, promoted, rolled back or deleted. A hint: every
     reader re-reads the deployment from Redis (and resyncs periodically, so a lost hint heals)."""
 
@@ -698,8 +706,7 @@ class DeploymentChanged(Message):
     canary_weight: int = 0  # percent of traffic to the canary revision
 
 
-@dataclass
-class LoraAdaptersChanged(Message):
+class LoraAdaptersChanged(Envelope):
     """A model's LoRA adapter registry (shared.adapters) changed: readers re-read it (and resync
     periodically, so a lost announcement heals)."""
 
@@ -708,8 +715,7 @@ class LoraAdaptersChanged(Message):
     name: str | None = None  # the adapter (load, unload)
 
 
-@dataclass
-class ScalerDecision(Message):
+class ScalerDecision(Envelope):
     """What the scaler wants for one deployment revision and why."""
 
     deployment: str
@@ -725,7 +731,6 @@ class ScalerDecision(Message):
     placement: str = ""  # why the replicas are where they are ("spot 3 (full), ondemand 1", ...)
 
 
-@dataclass
 class LatencySample(Message):
     """One finished request as its client saw it, by the revision that served it: the input of
     control's canary analysis (services.control.canary)."""
@@ -737,7 +742,6 @@ class LatencySample(Message):
     output_tokens: int
 
 
-@dataclass
 class RevisionOutcomes(Message):
     """Exact counts of one revision's requests in a report (samples may be thinned, these never are)."""
 
@@ -745,8 +749,7 @@ class RevisionOutcomes(Message):
     errors: int = 0  # ended in an error an engine of this revision sent
 
 
-@dataclass
-class GatewayStats(Message):
+class GatewayStats(Envelope):
     """A gateway's requests since its previous report (every couple of seconds), with where
     their time went by layer: control's dashboard and `strata diagnose` read it."""
 
@@ -766,15 +769,13 @@ class GatewayStats(Message):
 MAX_LATENCY_SAMPLES = 2000
 
 
-@dataclass
-class KeyRevoked(Message):
+class KeyRevoked(Envelope):
     """An API key was revoked: every holder of a cached lookup drops it at once."""
 
     key_hash: str  # the key's SHA-256, hex
 
 
-@dataclass
-class PoolChanged(Message):
+class PoolChanged(Envelope):
     """A capacity pool was applied, changed (capacity, cost, ...) or deleted. A hint, like
     DeploymentChanged: the scaler re-reads the pools from Redis (and resyncs periodically)."""
 
@@ -783,7 +784,6 @@ class PoolChanged(Message):
     generation: int = 0
 
 
-@dataclass
 class PoolReport(Message):
     """One capacity pool as the scaler sees it."""
 
@@ -805,8 +805,7 @@ class PoolReport(Message):
     deployments: dict[str, int] = field(default_factory=dict)  # deployment -> replicas there
 
 
-@dataclass
-class PoolStatus(Message):
+class PoolStatus(Envelope):
     """Every capacity pool's use, each scaler tick; `short` names the deployments that want more
     replicas than their allowed pools can hold."""
 
@@ -815,3 +814,11 @@ class PoolStatus(Message):
     pools: list[PoolReport] = field(default_factory=list)
     short: dict[str, int] = field(default_factory=dict)  # deployment -> replicas wanted and not placeable
     wanted: dict[str, int] = field(default_factory=dict)  # deployment -> replicas wanted
+
+
+def _all_messages(cls: type = Message) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_all_messages(sub))]
+
+
+for _cls in _all_messages():  # derive every wire type now, before anything decodes
+    _prepare(_cls)

@@ -75,7 +75,7 @@ def test_malformed_payloads_raise_the_clear_error(payload, needle):
 
 @pytest.mark.parametrize("fields, needle", [
     ({"priority": "ultra"}, "priority 'ultra'"),
-    ({"sampling": {"top_k": 0}}, "top_k must be -1 (off) or >= 1"),
+    ({"sampling": {"top_k": -2}}, "top_k must be -1 or 0 (off), or in [1,"),  # vLLM's: 0 is off too
     ({"sampling": {"seed": -1}}, "seed must be >= 0"),
     ({"sampling": {"max_tokens": 0}}, "max_tokens must be in [1,"),
     ({"sampling": {"max_tokens": 2**31}}, "max_tokens must be in [1,"),
@@ -118,3 +118,54 @@ def test_subject_tokens_are_checked():
     for bad in ["", "a.b", "a*", ">", "a b"]:
         with pytest.raises(ValueError):
             protocol.heartbeat(bad)
+
+
+def test_nil_means_the_default_and_unknown_nested_fields_are_ignored():
+    payload = valid_request().to_dict() | {"v": 1, "priority": None, "timestamps": None}
+    payload["sampling"] |= {"max_tokens": None, "stop": None, "n": None, "skip_special_tokens": None,
+                            "future_knob": [1, 2]}
+    req = protocol.decode(GenerateRequest, pack(payload))
+    assert (req.sampling.max_tokens, req.sampling.stop, req.sampling.n, req.timestamps) == (16, [], 1, {})
+    assert req.sampling.skip_special_tokens is True
+    assert TokenChunk(request_id="r", seq=0, text=None).text == ""  # the same when built in code
+
+
+@pytest.mark.parametrize("where", ["timestamps", "deadline", "sampling.temperature", "sampling.logit_bias"])
+def test_non_finite_numbers_are_refused_wherever_they_are(where):
+    payload = valid_request().to_dict() | {"v": 1}
+    value = {"timestamps": {"gateway_received": float("inf")}, "deadline": float("-inf"),
+             "sampling.temperature": float("nan"), "sampling.logit_bias": {3: float("nan")}}[where]
+    if where.startswith("sampling."):
+        payload["sampling"][where.split(".")[1]] = value
+    else:
+        payload[where] = value
+    with pytest.raises(ProtocolError, match="finite number"):
+        protocol.decode(GenerateRequest, pack(payload))
+
+
+def test_text_options_cross_the_wire():
+    """skip_special_tokens and include_stop_str_in_output, set to their non-defaults, arrive."""
+    req = valid_request()
+    req.sampling.skip_special_tokens, req.sampling.include_stop_str_in_output = False, True
+    back = protocol.decode(GenerateRequest, protocol.encode(req)).sampling
+    assert (back.skip_special_tokens, back.include_stop_str_in_output) == (False, True)
+
+
+def test_the_version_is_on_messages_sent_alone_and_nested_ones_need_none():
+    chunk = TokenChunk(request_id="r1", seq=0, token_ids=[5], text="a")
+    assert msgpack.unpackb(protocol.encode(chunk)) == {"v": 1, "request_id": "r1", "seq": 0, "token_ids": [5],
+                                                       "text": "a"}  # defaults are not sent
+    batch = {"v": 1, "replica_id": "e0", "chunks": [{"request_id": "r1", "seq": 0}, {"request_id": "r2", "seq": 4}]}
+    decoded = protocol.decode(protocol.TokenChunkBatch, pack(batch))
+    assert [c.request_id for c in decoded.chunks] == ["r1", "r2"] and decoded.chunks[1].token_ids == []
+    with pytest.raises(ProtocolError, match="unsupported schema version"):
+        protocol.decode(protocol.TokenChunkBatch, pack(batch | {"v": 0}))
+    with pytest.raises(TypeError):  # a part of a message is never a payload of its own
+        protocol.decode(Usage, pack({"v": 1, "prompt_tokens": 1, "completion_tokens": 1}))
+
+
+def test_from_dict_checks_as_decode_does():
+    req = valid_request()
+    assert GenerateRequest.from_dict(req.to_dict()) == req
+    with pytest.raises(ProtocolError, match="sampling.max_tokens: expected an integer"):
+        GenerateRequest.from_dict(req.to_dict() | {"sampling": {"max_tokens": "8"}})

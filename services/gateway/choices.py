@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.protocol import TokenChunk, Usage
+from shared.sampling_ranges import RANGES
 
 MAX_N_DEFAULT = 16  # choices per prompt (n, best_of) a gateway serves unless configured otherwise
 MAX_BATCH_PROMPTS = 256  # prompts in one completions request
@@ -25,11 +26,13 @@ def _bad(message: str, param: str):
 
 
 def _int(body: dict, name: str) -> int | None:
+    """n or best_of: in the range of n (shared.sampling_ranges, as the wire and the engine check it)."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"'{name}' must be an integer >= 1, got {value!r}", name)
+    problem = RANGES["n"].problem(value)
+    if problem:
+        raise _bad(f"'{name}' {problem}", name)
     return value
 
 

@@ -25,11 +25,11 @@ burst of them cannot re-run prompts all at once on replicas that are already the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from prometheus_client import Counter
 
 from services.gateway.flow import Flow, FlowTable
@@ -275,7 +275,7 @@ class Migrator:
                 return
             flow.migrations += 1
             # The same sampling, max_tokens included: the engine counts resume.generated against it.
-            leg = dataclasses.replace(
+            leg = msgspec.structs.replace(
                 gen, request_id=f"{rid}-m{flow.migrations}", prompt_token_ids=gen.prompt_token_ids + flow.token_ids,
                 timestamps=dict(gen.timestamps),
                 resume=Resume(request_id=rid, generated=flow.completion_tokens, text_chars=flow.text_chars,

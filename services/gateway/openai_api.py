@@ -13,6 +13,7 @@ from services.gateway.prompt_logprobs import PromptOptions
 from services.gateway.structured_outputs import parse_structured
 from shared.layers import by_component, layer_timings
 from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
+from shared.sampling_ranges import MAX_STOP_STRINGS, RANGES, Range, max_tokens_range
 
 if TYPE_CHECKING:
     from services.gateway.tools import ToolRequest
@@ -111,22 +112,17 @@ class ParsedRequest:
     unknown_fields: list[str] = field(default_factory=list)  # ignored, counted (request_fields)
 
 
-INT64 = (-2**63, 2**63 - 1)
-
-
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
-    value = body.get(name, default)
+def ranged(body: dict, name: str, default=None, range_: Range | None = None):
+    """The body's number `name` in its range (shared.sampling_ranges.RANGES[name], which the wire
+    and the engine check too), or `default` when absent or null; a 400 naming it otherwise."""
+    value = body.get(name)
     if value is None:
         return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or (
-            not integer and value != value) or not INT64[0] <= value <= INT64[1]:
-        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'} in range", name)
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise bad(f"'{name}' must be <= {hi}, got {value}", name)
-    return value
+    range_ = range_ or RANGES[name]
+    problem = range_.problem(value)
+    if problem:
+        raise bad(f"'{name}' {problem}", name)
+    return value if range_.integer else float(value)
 
 
 def flag(body: dict, name: str, default: bool) -> bool:
@@ -145,48 +141,35 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise bad("'stop' must be a non-empty string or a list of at most 16 of them", "stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
     return stop
 
 
-def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingSpec:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = max_tokens_default
+def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> SamplingSpec:
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    least = prompt_logprobs.min_max_tokens(body)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not least <= max_tokens < 2**31:
-        raise bad(f"'{param}' must be an integer in [{least}, 2**31)", param)
-    top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
-    if top_k == 0:
-        raise bad("'top_k' must be -1 (off) or >= 1", "top_k")
-
-    def optional_float(name: str, lo, hi, lo_open=False) -> float | None:
-        # Unset stays unset: the engine fills it from the model's generation config.
-        value = _number(body, name, None, lo, hi, lo_open=lo_open)
-        return None if value is None else float(value)
-
+    prefill_only = prompt_logprobs.min_max_tokens(body) == 0
+    max_tokens = ranged(body, param, max_tokens_default, max_tokens_range(prefill_only))
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
                                                  for t in stop_ids):
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    seed = _number(body, "seed", None, 0, INT64[1], integer=True)
-    ignore_eos = flag(body, "ignore_eos", False)
+    # Unset temperature, top_p, top_k, min_p and repetition_penalty stay unset: the engine fills
+    # them in from the model's generation config.
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=optional_float("temperature", 0.0, 2.0),
-        top_p=optional_float("top_p", 0.0, 1.0, lo_open=True),
-        top_k=top_k,
-        min_p=optional_float("min_p", 0.0, 1.0),
-        seed=seed,
+        temperature=ranged(body, "temperature"),
+        top_p=ranged(body, "top_p"),
+        top_k=ranged(body, "top_k"),
+        min_p=ranged(body, "min_p"),
+        seed=ranged(body, "seed"),
         stop=_stop(body),
         stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
+        ignore_eos=flag(body, "ignore_eos", False),
         logprobs=logprobs,
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=optional_float("repetition_penalty", 0.0, 10.0, lo_open=True),
+        presence_penalty=ranged(body, "presence_penalty", 0.0),
+        frequency_penalty=ranged(body, "frequency_penalty", 0.0),
+        repetition_penalty=ranged(body, "repetition_penalty"),
         structured=parse_structured(body),
         **request_fields.sampling_fields(body),
     )
@@ -215,9 +198,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     text, ids = prompts[0]
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix")
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    logprobs = ranged(body, "logprobs")
     parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
                            choices=parse_choices(body, stream), prompts=prompts, continuous_usage=continuous_usage,
                            unknown_fields=request_fields.unknown_fields("/v1/completions", body))
@@ -252,7 +233,7 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
                       **message_tool_fields(m, i)})
     logprobs = None
     if body.get("logprobs"):
-        logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        logprobs = ranged(body, "top_logprobs", 0, RANGES["logprobs"])
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shared.sampling_ranges import LOGIT_BIAS, MAX_STOP_STRINGS, RANGES
+
 _ERROR = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
@@ -10,25 +12,24 @@ _ERROR = {
 }
 
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
 
+# The numbers' ranges are shared.sampling_ranges' (what the gateway, the wire and the engine check).
 _SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+    "max_tokens": {**RANGES["max_tokens"].json_schema(),
                    "description": "default: the deployment's default_max_tokens (and never past the context)"},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"oneOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": INT32_MAX}],
-              "description": "-1 = off (extension)"},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+    "temperature": RANGES["temperature"].json_schema(),
+    "top_p": RANGES["top_p"].json_schema(),
+    "top_k": {**RANGES["top_k"].json_schema(), "description": "-1 or 0 = off (extension, vLLM's)"},
+    "min_p": RANGES["min_p"].json_schema(),
+    "seed": RANGES["seed"].json_schema(),
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}]},
     "stop_token_ids": {"type": "array", "items": TOKEN_ID},
     "ignore_eos": {"type": "boolean"},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    "presence_penalty": RANGES["presence_penalty"].json_schema(),
+    "frequency_penalty": RANGES["frequency_penalty"].json_schema(),
+    "repetition_penalty": RANGES["repetition_penalty"].json_schema(),
     # Structured outputs (services.gateway.structured_outputs): at most one constraint per request.
     "response_format": {"oneOf": [
         {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
@@ -61,13 +62,13 @@ _SAMPLING = {
     # Logits processors and text options, vLLM's names (services/gateway/request_fields.py).
     "logit_bias": {"type": "object", "maxProperties": 1024,
                    "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
-                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "additionalProperties": LOGIT_BIAS.json_schema(),
                    "description": "token id (a string of digits, inside the vocabulary) -> bias added to its logit"},
     "allowed_token_ids": {"type": "array", "items": TOKEN_ID, "minItems": 1,
                           "description": "only these tokens may be generated (inside the vocabulary)"},
     "bad_words": {"type": "array", "maxItems": 256, "items": {"type": "string", "pattern": "\\S"},
                   "description": "words never generated (with and without a leading space)"},
-    "min_tokens": {"type": "integer", "minimum": 0, "maximum": INT32_MAX,
+    "min_tokens": {**RANGES["min_tokens"].json_schema(),
                    "description": "EOS and stop_token_ids masked, stop strings unchecked, until this many "
                                   "tokens (at most max_tokens)"},
     "skip_special_tokens": {"type": "boolean"},
@@ -125,7 +126,7 @@ _BEST_OF_ALONE = _only_with("best_of", {"not": {"anyOf": [{"required": ["n"]}, {
     "properties": {"stream": {"const": True}}, "required": ["stream"]}]}})
 
 # Prompt logprobs (services.gateway.prompt_logprobs): max_tokens 0 scores the prompt only.
-_PROMPT_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20,
+_PROMPT_LOGPROBS = {**RANGES["prompt_logprobs"].json_schema(),
                     "description": "vLLM's: top-n logprobs per prompt token, as `prompt_logprobs` in each choice"}
 _MAX_TOKENS_ZERO_SCORES_THE_PROMPT = {
     "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
@@ -266,7 +267,7 @@ def openapi_spec(server_url: str = "") -> dict:
                                 {"type": "string", "minLength": 1},
                                 {"type": "array", "items": TOKEN_ID, "minItems": 1}]},
                              "description": "a batch of prompts: one choice each (times n), in order"}]},
-                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "logprobs": RANGES["logprobs"].json_schema(),
                         "best_of": _BEST_OF,
                         "echo": {"type": "boolean", "description": "the prompt before the completion, in its "
                                  "text and logprobs (then max_tokens may be 0)"},
@@ -289,9 +290,9 @@ def openapi_spec(server_url: str = "") -> dict:
                                 "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
                                     "type": "object", "required": ["type", "text"],
                                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
-                        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
+                        "max_completion_tokens": RANGES["max_tokens"].json_schema(),
                         "logprobs": {"type": "boolean"},
-                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        "top_logprobs": RANGES["logprobs"].json_schema(),
                         **_TOOLS,
                         "prompt_logprobs": {**_PROMPT_LOGPROBS, "description": "vLLM's: top-n logprobs per "
                                             "prompt token, as `prompt_logprobs` in the response"},

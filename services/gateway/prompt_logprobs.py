@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from shared.protocol import SamplingSpec, TokenChunk, TokenLogprob
-
-MAX_PROMPT_LOGPROBS = 20
+from shared.sampling_ranges import RANGES
 
 
 @dataclass
@@ -30,6 +29,9 @@ class PromptOptions:
 
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field (its top-n), None if not asked
+    # The request's: a completion token's text_offset counts what it adds to the text, special
+    # tokens too when they are kept (the echoed prompt's text always skips them).
+    skip_special_tokens: bool = True
 
 
 def min_max_tokens(body: dict) -> int:
@@ -49,14 +51,15 @@ def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, 
     if echo and chat:
         raise bad("'echo' is only supported by /v1/completions, not by chat completions", "echo")
     n = body.get("prompt_logprobs")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PROMPT_LOGPROBS):
-        raise bad(f"'prompt_logprobs' must be an integer in [0, {MAX_PROMPT_LOGPROBS}]", "prompt_logprobs")
+    problem = None if n is None else RANGES["prompt_logprobs"].problem(n)
+    if problem:
+        raise bad(f"'prompt_logprobs' {problem}", "prompt_logprobs")
     wanted = [k for k in (n, logprobs if echo else None) if k is not None]
     if echo and sampling.max_tokens == 0 and not wanted:
         wanted = [0]  # prefill only: the engine runs it for its prompt logprobs, which nobody shows
     if wanted:
         sampling.prompt_logprobs = max(wanted)
-    return PromptOptions(echo, n)
+    return PromptOptions(echo, n, sampling.skip_special_tokens)
 
 
 def _top(e: TokenLogprob, n: int, decode: Callable[[int], str]) -> dict[str, float]:
@@ -71,7 +74,7 @@ class TokenTexts(Protocol):
 
     def decode_token(self, token_id: int) -> str: ...  # as shown in `tokens`
 
-    def visible_text(self, token_id: int) -> str: ...  # what it adds to a choice's text
+    def visible_text(self, token_id: int) -> str: ...  # what it adds to a choice's text, special tokens skipped
 
     def decode_text(self, ids: list[int]) -> str: ...  # a token-id prompt, echoed
 
@@ -80,8 +83,10 @@ class CompletionLogprobs:
     """The `logprobs` of one completion choice, chunk by chunk: tokens, token_logprobs,
     top_logprobs and text_offset, the offsets running on across chunks."""
 
-    def __init__(self, texts: TokenTexts, top_n: int):
+    def __init__(self, texts: TokenTexts, top_n: int, skip_special_tokens: bool = True):
         self.texts, self.top_n = texts, top_n
+        # What a completion token adds to the text (the prompt's always skip special tokens).
+        self.completion_text = texts.visible_text if skip_special_tokens else texts.decode_token
         self.offset = 0
 
     def take(self, chunks: list[TokenChunk], prompt: tuple[list[int], list[TokenLogprob]] | None = None
@@ -91,19 +96,20 @@ class CompletionLogprobs:
         decode = self.texts.decode_token
         if prompt is not None:
             ids, entries = prompt
-            self._add(out, ids[0], None, None)
+            self._add(out, ids[0], None, None, self.texts.visible_text)
             for token_id, e in zip(ids[1:], entries):
-                self._add(out, token_id, e.logprob, _top(e, self.top_n, decode))
+                self._add(out, token_id, e.logprob, _top(e, self.top_n, decode), self.texts.visible_text)
         for e in (lp for c in chunks for lp in (c.logprobs or [])):
-            self._add(out, e.token_id, e.logprob, {decode(t): v for t, v in e.top.items()})
+            self._add(out, e.token_id, e.logprob, {decode(t): v for t, v in e.top.items()}, self.completion_text)
         return out if out["tokens"] else None
 
-    def _add(self, out: dict, token_id: int, logprob: float | None, top: dict | None) -> None:
+    def _add(self, out: dict, token_id: int, logprob: float | None, top: dict | None,
+             text: Callable[[int], str]) -> None:
         out["tokens"].append(self.texts.decode_token(token_id))
         out["token_logprobs"].append(logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(self.offset)
-        self.offset += len(self.texts.visible_text(token_id))
+        self.offset += len(text(token_id))
 
 
 class PromptParts:
@@ -136,7 +142,8 @@ class PromptParts:
         prefix = (text if text is not None else self.texts.decode_text(ids)) if echo else ""
         logprobs = None
         if self.top_n is not None:
-            state = self.logprobs.setdefault(index, CompletionLogprobs(self.texts, self.top_n))
+            state = self.logprobs.setdefault(index, CompletionLogprobs(self.texts, self.top_n,
+                                                                       self.options.skip_special_tokens))
             logprobs = state.take(chunks, (ids, entries) if echo else None)
         return prefix + "".join(c.text for c in chunks), logprobs, self.vllm(prompt_no) if first else None
 

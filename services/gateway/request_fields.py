@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway import openai_api as oa  # its ApiError (a module import: openai_api imports this one)
+from shared.sampling_ranges import LOGIT_BIAS
 
-MAX_LOGIT_BIAS = 100.0
 MAX_BIASED_TOKENS = 1024  # logit_bias entries per request (OpenAI allows 300)
 MAX_BAD_WORDS = 256
 MAX_ALLOWED_TOKEN_IDS = 2**20
@@ -65,10 +65,9 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else -1
         if not _is_token_id(token):
             raise oa.bad(f"'logit_bias' keys must be token ids (strings of digits), got {key!r}", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise oa.bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
-                      "logit_bias")
+        problem = LOGIT_BIAS.problem(value)
+        if problem:
+            raise oa.bad(f"'logit_bias' values {problem} (token {key})", "logit_bias")
         out[token] = float(value)
     return out or None
 
@@ -95,19 +94,10 @@ def _bad_words(body: dict) -> list[str] | None:
     return raw or None
 
 
-def _min_tokens(body: dict) -> int:
-    value = body.get("min_tokens", 0)
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-        raise oa.bad("'min_tokens' must be an integer in [0, 2**31) (and at most max_tokens)", "min_tokens")
-    return value
-
-
 def sampling_fields(body: dict) -> dict[str, Any]:
     """The SamplingSpec fields of this module, parsed from a request body."""
     return {"logit_bias": _logit_bias(body), "allowed_token_ids": _allowed_token_ids(body),
-            "bad_words": _bad_words(body), "min_tokens": _min_tokens(body),
+            "bad_words": _bad_words(body), "min_tokens": oa.ranged(body, "min_tokens", 0),
             "skip_special_tokens": oa.flag(body, "skip_special_tokens", True),
             "include_stop_str_in_output": oa.flag(body, "include_stop_str_in_output", False)}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import random
 import time
@@ -23,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import structlog
 from aiohttp import web
 from nats.errors import NoRespondersError
@@ -680,7 +680,7 @@ class GatewayService:
         logprobs = parsed.sampling.logprobs
         if parsed.choices.selects and logprobs is None:
             logprobs = 0
-        sampling = dataclasses.replace(parsed.sampling, n=per_prompt, logprobs=logprobs)
+        sampling = msgspec.structs.replace(parsed.sampling, n=per_prompt, logprobs=logprobs)
         flows: list[Flow] = []
         self.metrics.active.inc()
         try:
@@ -847,7 +847,7 @@ class GatewayService:
             picked = choices.best(grouped, n) if parsed.choices.selects else list(grouped.values())
             for k, choice_chunks in enumerate(picked):
                 if parsed.choices.selects and parsed.sampling.logprobs is None:  # asked for ranking only
-                    choice_chunks = [dataclasses.replace(c, logprobs=None) for c in choice_chunks]
+                    choice_chunks = [msgspec.structs.replace(c, logprobs=None) for c in choice_chunks]
                 last = next(c for c in reversed(choice_chunks) if c.finish_reason is not None)
                 index = choices.response_index(prompt_no, k, n)
                 if parsed.chat:

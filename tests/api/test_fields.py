@@ -152,6 +152,16 @@ def test_skip_special_tokens_and_include_stop_str_in_output(client, tokenizer):
     assert kept.choices[0].text == cut.choices[0].text + stop
 
 
+def test_kept_special_tokens_count_in_text_offset(client, tokenizer):
+    """skip_special_tokens false: the special tokens are in the text, so text_offset counts them."""
+    eos = {str(tokenizer.eos_token_id): 100}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias=eos,
+                                    logprobs=0, extra_body={"skip_special_tokens": False, "ignore_eos": True})
+    choice = out.choices[0]
+    width = len(tokenizer.eos_token)
+    assert choice.text == tokenizer.eos_token * 3 and choice.logprobs.text_offset == [0, width, 2 * width]
+
+
 def test_tokenize_round_trips_with_detokenize(api_stack, client, tokenizer):
     text = "Größe und Straße: the queue holds 42 items."
     status, body = post(api_stack, "/tokenize", {"model": MODEL, "prompt": text})

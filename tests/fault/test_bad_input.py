@@ -3,7 +3,6 @@ OpenAI's shape), and malformed, truncated, oversized and ill-typed msgpack on ev
 services listen to (engine, scheduler, gateway, control, scaler), after which they still serve."""
 
 import asyncio
-import dataclasses
 import inspect
 import json
 import os
@@ -14,6 +13,7 @@ import urllib.request
 import aiohttp
 import jsonschema
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -207,10 +207,10 @@ def valid_example(cls) -> dict:
     examples = {str: "x", int: 1, float: 1.0, bool: True}
     hints = typing.get_type_hints(cls)
     out = {"v": protocol.SCHEMA_VERSION}
-    for f in dataclasses.fields(cls):
+    for f in msgspec.structs.fields(cls):
         hint = hints[f.name]
         simple = [examples[a] for a in typing.get_args(hint) or [hint] if a in examples]
-        if f.default is f.default_factory is dataclasses.MISSING:
+        if f.required:
             out[f.name] = {"error": {"code": "x", "message": "x"}}.get(f.name, simple[0] if simple else "x")
         elif simple:
             out[f.name] = simple[0]

@@ -234,7 +234,7 @@ async def test_an_unknown_model_name_is_not_echoed_unbounded(stack):
 
 @pytest.mark.parametrize("sampling, priority, needle", [
     ({"max_tokens": 4}, "ultra", "priority"),
-    ({"max_tokens": 4, "top_k": 0}, None, "top_k"),
+    ({"max_tokens": 4, "top_k": -2}, None, "top_k"),  # -1 and 0 are off (vLLM's), below is refused
     ({"max_tokens": 4, "seed": -1}, None, "seed"),
     ({"max_tokens": 4, "logprobs": 21}, None, "logprobs"),
 ])
