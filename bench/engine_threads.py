@@ -4,12 +4,14 @@ whole local stack (gateway -> scheduler -> engines), with
 - 1 engine, all cores (what one engine alone takes),
 - 1 engine, cores / 2 threads (what the first of `strata up`'s two planned engines gets),
 - 2 engines, split: cores / 2 threads each (services.engine.launch: what the stack now gives them),
-- 2 engines, not split: all cores each (as before: `--threads CORES` given explicitly).
+- 2 engines, not split: all cores each (as before: `--threads CORES` given explicitly),
+- 2 engines, not split, with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep at barriers
+  instead of spinning: the other remedy, docs/performance.md).
 
 Arms run one after another, `--repeats` times in turn (A B C D A B C D ...), and each arm's
 median is reported with its ratio to the first arm; writes bench/results/engine_threads.json.
 
-    flock /tmp/strata-heavy.lock python bench/engine_threads.py [--model DIR] [--rounds 6] [--repeats 2]
+    flock /tmp/strata-heavy.lock python bench/engine_threads.py [--model DIR] [--rounds 4] [--max-tokens 64] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ from shared.tiny_model import ensure_tiny_model  # noqa: E402
 STREAMS = 4
 
 
-def arms(cores: int) -> dict[str, tuple[int, list[str]]]:
-    """name -> (engines, extra engine flags); no --threads: the stack's own split decides."""
+def arms(cores: int) -> dict[str, tuple[int, list[str], dict[str, str]]]:
+    """name -> (engines, extra engine flags, engine environment); no --threads: the stack's
+    own split decides."""
     half = max(cores // 2, 1)
     return {
-        f"1 engine x {cores} threads": (1, []),
-        f"1 engine x {half} threads": (1, ["--threads", str(half)]),
-        f"2 engines x {half} threads (split)": (2, []),
-        f"2 engines x {cores} threads (not split)": (2, ["--threads", str(cores)]),
+        f"1 engine x {cores} threads": (1, [], {}),
+        f"1 engine x {half} threads": (1, ["--threads", str(half)], {}),
+        f"2 engines x {half} threads (split)": (2, [], {}),
+        f"2 engines x {cores} threads (not split)": (2, ["--threads", str(cores)], {}),
+        f"2 engines x {cores} threads, passive": (2, ["--threads", str(cores)], {"OMP_WAIT_POLICY": "PASSIVE"}),
     }
 
 
@@ -68,8 +72,8 @@ async def run_arm(stack: LocalStack, prompts: list[list[int]], rounds: int, max_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="model directory (default: the tiny model)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of 4 concurrent streams per measurement")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of 4 concurrent streams per measurement")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="times every arm is measured, in turn")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,14 +90,23 @@ def main() -> None:
 
     measured: dict[str, list[dict]] = {name: [] for name in arms(cores)}
     for repeat in range(args.repeats):
-        for name, (engines, flags) in arms(cores).items():
+        for name, (engines, flags, env) in arms(cores).items():
             engine_args = ["--num-kv-blocks", "1024", "--max-num-seqs", "16", "--log-level", "warning", *flags]
-            with LocalStack(str(model_dir), engines=engines, engine_args=engine_args,
-                            gateway_args=["--log-level", "warning"],
-                            scheduler_args=["--log-level", "warning"]) as stack:
-                result = aio.run(run_arm(stack, prompts, args.rounds, args.max_tokens))
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the stack's processes start with this environment
+            try:
+                with LocalStack(str(model_dir), engines=engines, engine_args=engine_args,
+                                gateway_args=["--log-level", "warning"],
+                                scheduler_args=["--log-level", "warning"]) as stack:
+                    result = aio.run(run_arm(stack, prompts, args.rounds, args.max_tokens))
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
             measured[name].append(result)
-            print(f"  [{repeat + 1}/{args.repeats}] {name:36s} {result['tokens_per_s']:7.1f} tok/s "
+            print(f"  [{repeat + 1}/{args.repeats}] {name:40s} {result['tokens_per_s']:7.1f} tok/s "
                   f"(streams per replica {result['streams_per_replica']})", flush=True)
 
     base = None
@@ -102,7 +115,7 @@ def main() -> None:
         median = statistics.median(r["tokens_per_s"] for r in results)
         base = base or median
         summary[name] = {"tokens_per_s_median": median, "ratio_to_first": median / base}
-        print(f"{name:36s} {median:7.1f} tok/s  {median / base:5.2f}x", flush=True)
+        print(f"{name:40s} {median:7.1f} tok/s  {median / base:5.2f}x", flush=True)
     write_results(args.out, args, {"cores": cores, "streams": STREAMS, "arms": measured, "summary": summary})
 
 
