@@ -11,7 +11,7 @@ whole local stack (gateway -> scheduler -> engines), with
 Arms run one after another, `--repeats` times in turn (A B C D A B C D ...), and each arm's
 median is reported with its ratio to the first arm; writes bench/results/engine_threads.json.
 
-    flock /tmp/strata-heavy.lock python bench/engine_threads.py [--model DIR] [--rounds 4] [--max-tokens 64] [--repeats 2]
+    flock /tmp/strata-heavy.lock python bench/engine_threads.py [--model DIR] [--rounds 4] [--repeats 2]
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ class LocalProcessActuator:
         args, env = self.cores.launch(args, {**os.environ, **self.engine_env})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "services.engine", *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "services.engine", *args], stdout=log_file,
+                                    stderr=subprocess.STDOUT, env=env)
         group[replica_id] = LocalReplica(replica_id, proc, time.monotonic())
         log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid,
                  pool=self.pool)

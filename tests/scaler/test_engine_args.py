@@ -69,15 +69,6 @@ def sample_value(a):
     return {str: "x-value", dict: {"method": "ngram", "k": [1, 2]}}[a.kind]
 
 
-@pytest.fixture
-def fake_engine_processes(tmp_path, monkeypatch):
-    """Engines started as `<python> -m services.engine ...` become a sleeping shell."""
-    exe = tmp_path / "fake-engine-python"
-    exe.write_text("#!/bin/sh\nexec sleep 60\n")
-    exe.chmod(0o755)
-    monkeypatch.setattr("services.scaler.actuators.sys.executable", str(exe))
-
-
 def environ_of(proc: subprocess.Popen) -> dict[str, str]:
     deadline = time.monotonic() + 5
     while True:  # the shell has exec'd sleep once its environment is readable
