@@ -122,6 +122,7 @@ class LocalProcessActuator:
     async def observe(self, deployments: list[str]) -> None:
         for key in list(self.groups):
             self._reap(key)
+        self._plan_cores()  # engines that have exited no longer hold the machine
 
     def __post_init__(self) -> None:
         self._plan_cores()  # a pool's capacity counts from the start, before it runs an engine
@@ -152,7 +153,11 @@ class LocalProcessActuator:
         group = self._reap((deployment, revision))
         active = [r for r in group.values() if not r.draining]
         wanted = replicas - len(active)
-        self._max_replicas[deployment] = spec.replicas.max
+        if spec is not None:
+            self._max_replicas[deployment] = spec.replicas.max
+        elif replicas == 0:  # a revision no longer served (its served one, if any, comes with its spec)
+            self._max_replicas.pop(deployment, None)
+            self._plan_cores()
         fits = wanted if self.capacity is None or wanted <= 0 else max(min(wanted, self.capacity - self.alive()), 0)
         for _ in range(max(fits, 0)):
             self._start(deployment, revision, spec, group)

@@ -114,6 +114,13 @@ async def test_local_engines_split_the_cores_unless_their_threads_are_given(fake
         await pinned.scale("llm", 1, spec, 1, {})  # an explicit --threads wins
         (replica,) = pinned.replicas("llm", 1)
         assert replica.proc.args[-1] == "--threads=3" and "OMP_NUM_THREADS" not in environ_of(replica.proc)
+        # Scaled to zero without a spec (a revision no longer served): its engines no longer count.
+        await actuator.scale("llm", 1, None, 0, {})
+        deadline = time.monotonic() + 10
+        while actuator.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        await actuator.observe(["llm"])
+        assert cores.threads() == 4  # only the pinned pool's capacity of 1 is planned now
     finally:
         await actuator.close()
         await pinned.close()
