@@ -343,8 +343,10 @@ class LocalInfra:
 
 def engine_module_args(model_dir, replica_id: str, deployment: str, infra: LocalInfra, *extra: str) -> list[str]:
     """`python -m` arguments of one engine worker on this infrastructure."""
-    return ["services.engine", "--model", str(model_dir), "--replica-id", replica_id, "--deployment", deployment,
-            "--nats-url", infra.nats_url, "--redis-url", infra.redis_url, "--log-format", "json", *extra]
+    from services.engine.launch import engine_flags
+
+    return ["services.engine", *engine_flags(str(model_dir), replica_id, deployment, infra.nats_url, infra.redis_url,
+                                             extra=extra)]
 
 
 def _healthy(base_url: str) -> bool:
@@ -412,6 +414,10 @@ class LocalStack:
         self.base_url = f"http://127.0.0.1:{self.port}"
         common = ["--nats-url", self.infra.nats_url, "--redis-url", self.infra.redis_url, "--log-format", "json"]
         try:
+            if self.engines:  # a bad flag is refused here, naming it, not by each engine's log
+                from services.engine.launch import check_engine_flags
+
+                check_engine_flags(self.engine_args)
             for i in range(self.engines):
                 self.start_engine(f"engine-{i}")
             for i in range(self.schedulers):
@@ -440,13 +446,26 @@ class LocalStack:
         return self
 
     def start_engine(self, replica_id: str, *extra: str, deployment: str = "") -> subprocess.Popen:
-        return self._spawn(replica_id, engine_module_args(self.model_dir, replica_id, deployment or self.deployment,
-                                                          self.infra, *self.engine_args, *extra), role="engine")
+        """A static engine worker, with its share of the cores (services.engine.launch): of the
+        `engines` static ones, or of all that run, when more were started."""
+        from services.engine.launch import CoreShares
+
+        args = engine_module_args(self.model_dir, replica_id, deployment or self.deployment, self.infra,
+                                  *self.engine_args, *extra)
+        running = sum(proc.args[2:3] == ["services.engine"] and proc.poll() is None for proc in self.services.values())
+        cores = CoreShares()
+        cores.plan("static engines", max(self.engines, running + 1))
+        args, env = cores.launch(args, self._env("engine"))
+        return self._spawn(replica_id, args, env=env)
+
+    def _env(self, role: str = "", env: dict[str, str] | None = None) -> dict[str, str]:
+        """A service's environment: its role's NATS credentials (never in argv, which every local
+        process can read)."""
+        return {**os.environ, **(self.infra.env_for(role) if role else {}), **(env or {})}
 
     def _spawn(self, name: str, args: list[str], role: str = "", env: dict[str, str] | None = None) -> subprocess.Popen:
-        """A service process with its role's NATS credentials in its environment (never in argv,
-        which every local process can read)."""
-        env = {**os.environ, **(self.infra.env_for(role) if role else {}), **(env or {})}
+        """A service process with its role's NATS credentials in its environment."""
+        env = self._env(role, env)
         with open(self.log_dir / f"{name}.log", "ab") as log_file:
             proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
         self.services[name] = proc

@@ -35,7 +35,6 @@ import yaml
 from services.control.canary import parse_analysis
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
-from services.engine.quantization import support as quantization_support
 from shared.deployments import NAME_RE, DeploymentSpec, Limits, Replicas, Scaling, Slo, parse_placement
 from services.gateway.tool_parsers import TOOL_PARSERS
 from services.scheduler.policy import POLICIES
@@ -164,13 +163,16 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     if not isinstance(engine, dict):
         errors.append(("engine", "must be a mapping of engine arguments"))
         engine = {}
+    typed = {}
     for key, value in engine.items():
         if key not in ENGINE_ARGS:
             errors.append((f"engine.{key}", f"unknown engine argument (known: {', '.join(ENGINE_ARGS)})"))
         elif not _check_type(value, ENGINE_ARGS[key]):
             errors.append((f"engine.{key}", f"must be {_type_name(ENGINE_ARGS[key])}, got {type(value).__name__}"))
-        elif (reason := EngineArgs.spec_value_error(key, value)) is not None:
-            errors.append((f"engine.{key}", reason))
+        else:
+            typed[key] = value
+    # The engine's own checks (each argument's and across arguments) on the values of the right types.
+    errors += [(f"engine.{key}", reason) for key, reason in EngineArgs.spec_problems(typed)]
 
     replicas = _section(data.get("replicas"), Replicas, "replicas", errors)
     if replicas.min > replicas.max:
@@ -186,7 +188,6 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     elif scaling.panic_window_s > scaling.stable_window_s:
         errors.append(("scaling.panic_window_s", f"({scaling.panic_window_s:g}) must not exceed "
                                                  f"stable_window_s ({scaling.stable_window_s:g})"))
-    _check_precision(engine, errors)
 
     limits = _section(data.get("limits"), Limits, "limits", errors)
     if limits.default_max_tokens < 1:
@@ -216,16 +217,6 @@ def validate(data: Any, check_model: bool = True) -> DeploymentSpec:
     return DeploymentSpec(name=name, model=model, aliases=list(aliases), engine=dict(engine), replicas=replicas,
                           slo=slo, routing=dict(routing), canary=dict(canary), scaling=scaling, placement=placement,
                           limits=limits, tool_call_parser=tool_call_parser, adapters=adapter_list)
-
-
-def _check_precision(engine: dict, errors: list) -> None:
-    """engine.quantization and engine.kv_cache_dtype against what engine.device runs."""
-    values = {key: engine.get(key, default) for key, default in
-              (("quantization", None), ("kv_cache_dtype", "auto"), ("device", "cpu"))}
-    if all(v is None or isinstance(v, str) for v in values.values()):  # wrong types are reported above
-        for key, reason in quantization_support.check(values["quantization"], values["kv_cache_dtype"],
-                                                      values["device"]):
-            errors.append((f"engine.{key}", reason))
 
 
 def _adapters(raw: Any, model: str | None, engine: dict, errors: list) -> list[dict[str, str]]:

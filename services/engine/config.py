@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -17,15 +18,24 @@ from services.engine.quantization import support as quantization_support
 def arg(default: Any, help: str, *, key: str | None = None, spec: bool = True, check=None) -> Any:
     """A field of EngineArgs. `key`: its name in a deployment spec and as a flag (--key with
     dashes) when that differs from the field's name; `spec=False`: not settable per deployment;
-    `check(value)`: raises ValueError for a value of the right type that is still wrong (also
-    run on deployment specs)."""
+    `check(value, on_engine)`: raises ValueError for a value of the right type that is still
+    wrong (also run on deployment specs, where on_engine is False: the engine's files are not
+    there)."""
     return field(default=default, metadata={"help": help, "key": key, "spec": spec, "check": check})
 
 
-def _check_speculative_config(value: dict, check_model_dir: bool = True) -> None:
+def _check_speculative_config(value: dict, on_engine: bool = True) -> None:
     from services.engine.spec_decode.config import SpeculativeConfig
 
-    SpeculativeConfig.from_dict(value, check_model_dir)
+    SpeculativeConfig.from_dict(value, check_model_dir=on_engine)
+
+
+class EngineArgsError(ValueError):
+    """Engine arguments that cannot run; `problems` lists (field name, reason) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{name}: {reason}" for name, reason in problems))
 
 
 @dataclass
@@ -68,24 +78,10 @@ class EngineArgs:
               '"num_speculative_tokens": 4}; "adaptive": false keeps k fixed', check=_check_speculative_config)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        errors = quantization_support.check(self.quantization, self.kv_cache_dtype, self.device)
-        if errors:
-            raise ValueError("; ".join(f"{name}: {reason}" for name, reason in errors))
-        if self.speculative_config is not None:
-            _check_speculative_config(self.speculative_config)
-            if self.enable_lora:  # drafts and verification know nothing of adapters yet
-                raise ValueError("speculative_config: not supported together with enable_lora")
-        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
-            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras}, "
-                             f"{self.max_lora_rank}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        problems = _problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, type(self),
+                             on_engine=True)
+        if problems:
+            raise EngineArgsError(problems)
 
     @property
     def speculative(self):
@@ -104,66 +100,125 @@ class EngineArgs:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         return cls(**kwargs)
 
-    # ---- the generated interfaces -----------------------------------------------------------
+    # ---- the generated interfaces: every one is made from schema() -------------------------
+    @classmethod
+    def schema(cls) -> tuple["ArgSpec", ...]:
+        """How each field appears outside Python: its spec key, flag and type."""
+        return _schema(cls)
+
     @classmethod
     def spec_args(cls) -> dict[str, type]:
         """Deployment-spec key -> type of every argument a deployment may set."""
-        return {_key(f): _base_type(f) for f in dataclasses.fields(cls) if f.metadata["spec"]}
+        return {a.key: a.kind for a in cls.schema() if a.spec}
 
     @classmethod
-    def spec_value_error(cls, key: str, value: Any) -> str | None:
-        """Why a deployment spec's value (of the right type) for `key` is refused, or None."""
-        f = next((f for f in dataclasses.fields(cls) if _key(f) == key), None)
-        check = f.metadata["check"] if f is not None else None
-        if check is None:
-            return None
-        try:
-            if check is _check_speculative_config:  # the draft model's files are on the engine's machine
-                check(value, check_model_dir=False)
-            else:
-                check(value)
-        except ValueError as exc:
-            return str(exc)
-        return None
+    def spec_problems(cls, engine: dict[str, Any]) -> list[tuple[str, str]]:
+        """(spec key, reason) for each way a deployment spec's engine arguments, each known and
+        of the right type, cannot run: a field's own check and the checks across fields, as the
+        engine makes them at start (less what needs the engine's files)."""
+        by_key = {a.key: a for a in cls.schema()}
+        values = {a.name: a.default for a in cls.schema()}
+        values.update({by_key[key].name: value for key, value in engine.items()})
+        key_of = {a.name: a.key for a in cls.schema()}
+        return [(key_of.get(name, name), reason) for name, reason in _problems(values, cls, on_engine=False)]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            flag = "--" + _key(f).replace("_", "-")
-            kind = _base_type(f)
-            if kind is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=f.metadata["help"])
-            elif kind is dict:
-                group.add_argument(flag, dest=f.name, type=_json_object, default=f.default, help=f.metadata["help"])
-            else:
-                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+        for a in cls.schema():
+            a.add_flag(group)
         # Older spelling, kept for existing command lines.
         group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                            help=argparse.SUPPRESS)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{a.name: getattr(namespace, a.name) for a in cls.schema()})
 
     @classmethod
     def cli_flags(cls, spec_engine: dict[str, Any]) -> list[str]:
         """The flags that give an engine process a deployment spec's engine arguments."""
-        fields = {_key(f): f for f in dataclasses.fields(cls)}
+        by_key = {a.key: a for a in cls.schema()}
         flags: list[str] = []
         for key, value in spec_engine.items():
-            f = fields.get(key)
-            if f is None:
+            a = by_key.get(key)
+            if a is None:
                 raise ValueError(f"unknown engine argument {key!r}")
-            flag = "--" + key.replace("_", "-")
-            if _base_type(f) is bool:
-                flags.append(flag if value else "--no-" + flag[2:])
-            elif _base_type(f) is dict:
-                flags += [flag, json.dumps(value)]
-            else:
-                flags += [flag, str(value)]
+            flags += a.flags(value)
         return flags
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One engine argument as the world outside Python names it: `key` in a deployment spec,
+    `flag` on the engine's command line."""
+
+    name: str
+    key: str
+    kind: type  # int for `int | None`, and so on
+    default: Any
+    help: str
+    spec: bool
+    check: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    def add_flag(self, group) -> None:
+        if self.kind is bool:
+            group.add_argument(self.flag, dest=self.name, action=argparse.BooleanOptionalAction, default=self.default,
+                               help=self.help)
+        else:
+            group.add_argument(self.flag, dest=self.name, type=_json_object if self.kind is dict else self.kind,
+                               default=self.default, help=self.help)
+
+    def flags(self, value: Any) -> list[str]:
+        """The flags that set this argument to `value` (the inverse of add_flag)."""
+        if self.kind is bool:
+            return [self.flag if value else "--no-" + self.flag[2:]]
+        return [self.flag, json.dumps(value) if self.kind is dict else str(value)]
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[ArgSpec, ...]:
+    hints = typing.get_type_hints(cls)  # the annotations are strings here
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        out.append(ArgSpec(f.name, f.metadata["key"] or f.name, kind, f.default, f.metadata["help"], f.metadata["spec"],
+                           f.metadata["check"]))
+    return tuple(out)
+
+
+def _problems(values: dict[str, Any], cls: type, on_engine: bool) -> list[tuple[str, str]]:
+    """(field name, reason) for each way these argument values cannot run. `on_engine`: checked
+    where the engine runs (its files are there), not on the control plane."""
+    out: list[tuple[str, str]] = []
+    for a in _schema(cls):
+        if a.check is not None and values[a.name] is not None:
+            try:
+                a.check(values[a.name], on_engine)
+            except ValueError as exc:
+                out.append((a.name, str(exc)))
+    block_size = values["block_size"]
+    if block_size < 1 or block_size & (block_size - 1):
+        out.append(("block_size", f"must be a power of two, got {block_size}"))
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if values[name] < 1:
+            out.append((name, "must be >= 1"))
+    out += quantization_support.check(values["quantization"], values["kv_cache_dtype"], values["device"])
+    if values["speculative_config"] is not None and values["enable_lora"]:
+        # Drafts and verification know nothing of adapters yet.
+        out.append(("speculative_config", "not supported together with enable_lora"))
+    max_loras, max_lora_rank = values["max_loras"], values["max_lora_rank"]
+    if max_loras < 1 or not 1 <= max_lora_rank <= 512:
+        out.append(("max_loras", f"must be >= 1 and max_lora_rank in [1, 512], got {max_loras}, {max_lora_rank}"))
+    if values["max_cpu_loras"] is not None and values["max_cpu_loras"] < max_loras:
+        out.append(("max_cpu_loras", f"({values['max_cpu_loras']}) must be >= max_loras ({max_loras})"))
+    return out
 
 
 def _json_object(text: str) -> dict:
@@ -174,15 +229,3 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
-
-
-def _key(f: dataclasses.Field) -> str:
-    return f.metadata["key"] or f.name
-
-
-def _base_type(f: dataclasses.Field) -> type:
-    """int for `int | None`, and so on (fields' annotations are strings here)."""
-    hint = typing.get_type_hints(EngineArgs)[f.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint

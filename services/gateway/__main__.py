@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 
 from services.gateway.choices import MAX_N_DEFAULT
 from services.gateway.service import GatewayConfig, GatewayService
 from services.gateway.tool_parsers import TOOL_PARSERS, UnknownToolParser, parser_class
-from shared import aio, telemetry
 from shared.http_limits import HttpLimits
-from shared.logging import configure_logging
+from shared.service_main import UsageError, service_main, service_parser
 from shared.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.gateway", description="Strata OpenAI-compatible gateway")
+    p = service_parser("gateway", "Strata OpenAI-compatible gateway", "gateway-id")
     p.add_argument("--serve", action="append", default=[], metavar="DIR",
                    help="a model directory to serve (repeatable; default: --model)")
     p.add_argument("--served-model-name", action="append", default=[])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--gateway-id", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--no-auth", action="store_true", help="development only: accept requests without a key")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="default deadline of a request, seconds (headers Strata-Timeout / Strata-Deadline shorten it)")
@@ -65,36 +61,27 @@ def parse_tool_call_parsers(values: list[str]) -> dict[str, str]:
     return out
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = Settings.from_args(args)
-    configure_logging("gateway", settings.log_format, settings.log_level)
+def make_gateway(args: argparse.Namespace, settings: Settings) -> GatewayService:
+    # Models: the directories given here, plus every deployment control stores.
     models = args.serve or ([settings.model] if settings.model else [])
-    if not settings.nats_url or not settings.redis_url:
-        # Models: the directories given here, plus every deployment control stores.
-        print("--nats-url and --redis-url are required", file=sys.stderr)
-        return 2
     if args.max_inflight < 1 or args.default_max_tokens < 1 or args.max_connections < 1 or args.max_n < 1:
-        print("--max-inflight, --default-max-tokens, --max-connections and --max-n must be at least 1",
-              file=sys.stderr)
-        return 2
+        raise UsageError("--max-inflight, --default-max-tokens, --max-connections and --max-n must be at least 1")
     try:
         tool_call_parsers = parse_tool_call_parsers(args.tool_call_parser)
     except (UnknownToolParser, ValueError) as exc:
-        print(f"--tool-call-parser: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tool-call-parser: {exc}") from None
     http = HttpLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       write_timeout=args.write_timeout, keepalive_timeout=args.keepalive_timeout,
                       max_connections=args.max_connections)
-    cfg = GatewayConfig(settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port,
-                        args.gateway_id, not args.no_auth, args.request_timeout, region=settings.region,
-                        max_inflight=args.max_inflight, default_max_tokens=args.default_max_tokens,
-                        max_n=args.max_n, http=http, nats_auth=settings.nats_auth(),
-                        tool_call_parsers=tool_call_parsers)
+    return GatewayService(GatewayConfig(
+        settings.nats_url, settings.redis_url, models, args.served_model_name, args.host, args.port, args.gateway_id,
+        not args.no_auth, args.request_timeout, region=settings.region, max_inflight=args.max_inflight,
+        default_max_tokens=args.default_max_tokens, max_n=args.max_n, http=http, nats_auth=settings.nats_auth(),
+        tool_call_parsers=tool_call_parsers))
 
-    aio.run(telemetry.observed("gateway", args.gateway_id, settings.nats_url,
-                               aio.serve_until_signalled(GatewayService(cfg)), settings.nats_auth()))
-    return 0
+
+def main(argv=None) -> int:
+    return service_main("gateway", build_parser(), "gateway-id", make_gateway, argv)
 
 
 if __name__ == "__main__":

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
+from services.engine.launch import CoreShares, check_engine_flags
 from services.scaler.actuators import KubernetesActuator, LocalProcessActuator, pool_actuator
 from services.scaler.service import ScalerConfig, ScalerService
-from shared import aio, telemetry
-from shared.logging import configure_logging
+from shared.service_main import UsageError, service_main, service_parser
 from shared.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.scaler", description="Strata autoscaler")
-    p.add_argument("--scaler-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    p = service_parser("scaler", "Strata autoscaler", "scaler-id")
     p.add_argument("--actuator", choices=["local", "kubernetes"], default="local",
                    help="local: engine processes on this machine; kubernetes: scale Deployments (the one place "
                         "while control stores no capacity pools; each stored pool has its own actuator)")
@@ -47,42 +45,41 @@ def engine_nats_env(environ=os.environ) -> dict[str, str]:
             if f"STRATA_ENGINE_NATS_{name}" in environ}
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = Settings.from_args(args)
-    configure_logging("scaler", settings.log_format, settings.log_level)
-    if not settings.nats_url or not settings.redis_url:
-        print("--nats-url and --redis-url are required", file=sys.stderr)
-        return 2
+def make_scaler(args: argparse.Namespace, settings: Settings) -> ScalerService:
     log_dir = Path(args.engine_log_dir or settings.home / "logs")
+    try:  # refused here, naming it, rather than by every engine started with it
+        check_engine_flags(args.engine_arg)
+    except ValueError as exc:
+        raise UsageError(f"--engine-arg: {exc}") from None
+    cores = CoreShares()  # every local pool's engines run on this machine's cores
     if args.actuator == "kubernetes":
         try:
             actuator = KubernetesActuator(args.k8s_api_url, args.k8s_namespace, args.k8s_deployment_prefix,
                                           args.k8s_token)
         except ValueError as exc:
-            print(str(exc), file=sys.stderr)
-            return 2
+            raise UsageError(str(exc)) from None
     else:
         actuator = LocalProcessActuator(settings.nats_url, settings.redis_url, log_dir=log_dir,
                                         extra_args=args.engine_arg, region=settings.region,
-                                        engine_env=engine_nats_env())
+                                        engine_env=engine_nats_env(), cores=cores)
+
     # Pools stored in control each get their own actuator (local engines take --engine-arg too).
     def make_actuator(spec):
         return pool_actuator(spec, settings.nats_url, settings.redis_url, log_dir, args.engine_arg,
-                             engine_env=engine_nats_env())
+                             engine_env=engine_nats_env(), cores=cores)
 
     try:
-        service = ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
-                                             http_host=args.http_host, http_port=args.http_port, region=settings.region,
-                                             pool_backoff_s=args.pool_backoff, pool_max_backoff_s=args.pool_max_backoff,
-                                             nats_auth=settings.nats_auth()),
-                                actuator, make_actuator)
-    except ValueError as exc:  # --pool-backoff / --pool-max-backoff
-        print(f"--pool-backoff, --pool-max-backoff: {exc}", file=sys.stderr)
-        return 2
-    aio.run(telemetry.observed("scaler", args.scaler_id, settings.nats_url, aio.serve_until_signalled(service),
-                               settings.nats_auth()))
-    return 0
+        return ScalerService(ScalerConfig(settings.nats_url, settings.redis_url, args.scaler_id, args.interval,
+                                          http_host=args.http_host, http_port=args.http_port, region=settings.region,
+                                          pool_backoff_s=args.pool_backoff, pool_max_backoff_s=args.pool_max_backoff,
+                                          nats_auth=settings.nats_auth()),
+                             actuator, make_actuator)
+    except ValueError as exc:
+        raise UsageError(f"--pool-backoff, --pool-max-backoff: {exc}") from None
+
+
+def main(argv=None) -> int:
+    return service_main("scaler", build_parser(), "scaler-id", make_scaler, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import aiohttp
 
-from services.engine.__main__ import engine_flags
+from services.engine.launch import CoreShares, engine_flags
 from services.scaler.placement import Held
 from shared.deployments import DeploymentSpec
 from shared.logging import get_logger
@@ -102,7 +102,11 @@ class LocalProcessActuator:
     capacity: int | None = None  # engines this pool may run, every deployment and draining ones too (None: no limit)
     pool: str = ""  # the pool's name and region, which its engines report in their heartbeats
     region: str = ""
+    # The machine's cores, split between the engines that may run on it at once (every local
+    # pool of one scaler shares one): this pool's capacity, else its deployments' replicas.max.
+    cores: CoreShares = field(default_factory=CoreShares)
     groups: dict[tuple[str, int], dict[str, LocalReplica]] = field(default_factory=dict)
+    _max_replicas: dict[str, int] = field(default_factory=dict)  # deployment -> its spec's replicas.max
     _cold_starts: list[float] = field(default_factory=list)
 
     def _reap(self, key: tuple[str, int]) -> dict[str, LocalReplica]:
@@ -118,9 +122,22 @@ class LocalProcessActuator:
     async def observe(self, deployments: list[str]) -> None:
         for key in list(self.groups):
             self._reap(key)
+        self._plan_cores()  # engines that have exited no longer hold the machine
+
+    def __post_init__(self) -> None:
+        self._plan_cores()  # a pool's capacity counts from the start, before it runs an engine
 
     def set_capacity(self, replicas: int) -> None:
         self.capacity = replicas
+        self._plan_cores()
+
+    @property
+    def _cores_owner(self) -> str:
+        return f"local-pool {self.pool} {id(self)}"
+
+    def _plan_cores(self) -> None:
+        most = sum(self._max_replicas.values()) if self.capacity is None else self.capacity
+        self.cores.plan(self._cores_owner, max(most, self.alive()))
 
     def alive(self) -> int:
         return sum(r.proc.poll() is None for g in self.groups.values() for r in g.values())
@@ -136,6 +153,11 @@ class LocalProcessActuator:
         group = self._reap((deployment, revision))
         active = [r for r in group.values() if not r.draining]
         wanted = replicas - len(active)
+        if spec is not None:
+            self._max_replicas[deployment] = spec.replicas.max
+        elif replicas == 0:  # a revision no longer served (its served one, if any, comes with its spec)
+            self._max_replicas.pop(deployment, None)
+            self._plan_cores()
         fits = wanted if self.capacity is None or wanted <= 0 else max(min(wanted, self.capacity - self.alive()), 0)
         for _ in range(max(fits, 0)):
             self._start(deployment, revision, spec, group)
@@ -152,15 +174,14 @@ class LocalProcessActuator:
 
     def _start(self, deployment: str, revision: int, spec: DeploymentSpec, group: dict[str, LocalReplica]) -> None:
         replica_id = f"{deployment}-r{revision}-{uuid.uuid4().hex[:6]}"
-        place = [*(["--pool", self.pool] if self.pool else []), *(["--region", self.region] if self.region else [])]
-        args = [sys.executable, "-m", "services.engine", "--model", spec.model, "--replica-id", replica_id,
-                "--deployment", deployment, "--revision", str(revision), "--nats-url", self.nats_url,
-                "--redis-url", self.redis_url, "--log-format", "json", *place, *engine_flags(spec.engine),
-                *self.extra_args]
+        args = engine_flags(spec.model, replica_id, deployment, self.nats_url, self.redis_url, revision=revision,
+                            pool=self.pool, region=self.region, engine=spec.engine, extra=self.extra_args)
+        self._plan_cores()
+        args, env = self.cores.launch(args, {**os.environ, **self.engine_env})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **self.engine_env})
+            proc = subprocess.Popen([sys.executable, "-m", "services.engine", *args], stdout=log_file,
+                                    stderr=subprocess.STDOUT, env=env)
         group[replica_id] = LocalReplica(replica_id, proc, time.monotonic())
         log.info("engine started", replica_id=replica_id, deployment=deployment, revision=revision, pid=proc.pid,
                  pool=self.pool)
@@ -201,6 +222,7 @@ class LocalProcessActuator:
                 proc.kill()
                 proc.wait(5)
         self.groups.clear()
+        self.cores.plan(self._cores_owner, 0)
 
 
 class KubernetesApiError(RuntimeError):
@@ -371,12 +393,15 @@ class KubernetesActuator:
 
 
 def pool_actuator(spec: PoolSpec, nats_url: str, redis_url: str, log_dir: Path,
-                  extra_args: list[str] | None = None, engine_env: dict[str, str] | None = None) -> Actuator:
+                  extra_args: list[str] | None = None, engine_env: dict[str, str] | None = None,
+                  cores: CoreShares | None = None) -> Actuator:
     """The actuator of one capacity pool: its cluster's Kubernetes API, or engine processes on
-    this machine limited to the pool's capacity."""
+    this machine limited to the pool's capacity (sharing `cores` with the machine's other
+    local pools)."""
     a = spec.actuator
     if a.kind == "local":
         return LocalProcessActuator(nats_url, redis_url, log_dir, list(extra_args or []), capacity=spec.capacity,
-                                    pool=spec.name, region=spec.region, engine_env=dict(engine_env or {}))
+                                    pool=spec.name, region=spec.region, engine_env=dict(engine_env or {}),
+                                    cores=cores if cores is not None else CoreShares())
     return KubernetesActuator(a.api_url, a.namespace, a.deployment_prefix, a.token, pending_timeout_s=a.pending_timeout_s,
                               ca_file=a.ca_file, token_file=a.token_file)

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 
 from services.scheduler.regions import DEFAULT_PENALTY_S
 from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared import aio, telemetry
-from shared.logging import configure_logging
+from shared.service_main import UsageError, service_main, service_parser
 from shared.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.scheduler", description="Strata scheduler")
-    p.add_argument("--scheduler-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    p = service_parser("scheduler", "Strata scheduler", "scheduler-id")
     p.add_argument("--ack-timeout", type=float, default=2.0)
     p.add_argument("--policy", default="kv_aware", choices=["round_robin", "least_load", "kv_aware"],
                    help="default routing policy")
@@ -38,27 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = Settings.from_args(args)
-    configure_logging("scheduler", settings.log_format, settings.log_level)
-    if not settings.nats_url or not settings.redis_url:
-        print("--nats-url and --redis-url are required", file=sys.stderr)
-        return 2
-
+def make_scheduler(args: argparse.Namespace, settings: Settings) -> SchedulerService:
     if args.inter_region_penalty_ms < 0:
-        print("--inter-region-penalty-ms must not be negative", file=sys.stderr)
-        return 2
+        raise UsageError("--inter-region-penalty-ms must not be negative")
     policies = dict(item.split("=", 1) for item in args.policy_for)
-    service = SchedulerService(SchedulerConfig(
+    return SchedulerService(SchedulerConfig(
         settings.nats_url, settings.redis_url, args.scheduler_id, policy=args.policy, policies=policies,
         load_weight=args.load_weight, ack_timeout=args.ack_timeout, max_queue=args.max_queue,
         max_queue_wait=args.max_queue_wait, no_replica_wait=args.no_replica_wait,
         http_host=args.http_host, http_port=args.http_port, region=settings.region,
         inter_region_penalty_s=args.inter_region_penalty_ms / 1e3, nats_auth=settings.nats_auth()))
-    aio.run(telemetry.observed("scheduler", args.scheduler_id, settings.nats_url, aio.serve_until_signalled(service),
-                               settings.nats_auth()))
-    return 0
+
+
+def main(argv=None) -> int:
+    return service_main("scheduler", build_parser(), "scheduler-id", make_scheduler, argv)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,6 @@ from shared.deployments import Placement
 from shared.pools import parse_pool
 
 
-@pytest.fixture
-def fake_engine_processes(tmp_path, monkeypatch):
-    """Engines started as `<python> -m services.engine ...` become a sleeping shell."""
-    exe = tmp_path / "fake-engine-python"
-    exe.write_text("#!/bin/sh\nexec sleep 60\n")
-    exe.chmod(0o755)
-    monkeypatch.setattr("services.scaler.actuators.sys.executable", str(exe))
-
-
 def wait_gone(actuator, alive, timeout=10.0):
     deadline = time.monotonic() + timeout
     while actuator.alive() > alive:
