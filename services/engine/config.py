@@ -28,6 +28,14 @@ def _check_speculative_config(value: dict, check_model_dir: bool = True) -> None
     SpeculativeConfig.from_dict(value, check_model_dir)
 
 
+ENGINE_CORES = ("thread", "process")
+
+
+def _check_engine_core(value: str) -> None:
+    if value not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {value!r}")
+
+
 @dataclass
 class EngineArgs:
     block_size: int = arg(16, "tokens per KV-cache block (a power of two)")
@@ -66,10 +74,14 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 4}; "adaptive": false keeps k fixed', check=_check_speculative_config)
+    engine_core: str = arg("thread", "where the step loop runs: thread (a thread of the worker process) or process "
+                                     "(an engine core process of its own, as vLLM v1; the worker keeps NATS and "
+                                     "tokenization)", check=_check_engine_core)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_engine_core(self.engine_core)
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
