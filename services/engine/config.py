@@ -74,7 +74,7 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 4}; "adaptive": false keeps k fixed', check=_check_speculative_config)
-    engine_core: str = arg("thread", "where the step loop runs: thread (a thread of the worker process) or process "
+    engine_core: str = arg("process", "where the step loop runs: thread (a thread of the worker process) or process "
                                      "(an engine core process of its own, as vLLM v1; the worker keeps NATS and "
                                      "tokenization)", check=_check_engine_core)
 

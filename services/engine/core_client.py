@@ -3,9 +3,11 @@ AsyncLLMEngine interface, with the step loop in another process.
 
 The worker tokenizes and validates each request itself (its own tokenizer, InputProcessor and
 StructuredOutputs, built while the core loads the model), sends it to the core, and rebuilds a
-RequestOutput per request from each step's one message. The event loop reads the core's socket
-directly; when the core dies the socket closes, and every open stream fails with EngineDeadError
-at once (the worker then reports the replica failed).
+RequestOutput per request from each step's one message. A reader thread takes the core's
+messages off its socket (so the figures heartbeats report stay current, and the core never waits
+on a busy event loop) and hands them to the event loop, all that arrived at once in one wake-up;
+when the core dies the socket closes, and every open stream fails with EngineDeadError at once
+(the worker then reports the replica failed).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class CoreClient(EngineClient):
         self._stats: dict = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # open requests' prompt text and ids
         self._closing = False
+        self._reader: threading.Thread | None = None
         self.adapters: CoreAdapters | None = None
 
     @classmethod
@@ -107,6 +110,7 @@ class CoreClient(EngineClient):
     async def start(self) -> None:
         """Start the core process; returns once it has built the engine (or raises its error)."""
         self._loop = loop = asyncio.get_running_loop()
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))  # the reader thread hands on at once
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen([sys.executable, "-m", "services.engine.core_process", "--fd",
                                          str(theirs.fileno())], pass_fds=[theirs.fileno()])
@@ -114,7 +118,8 @@ class CoreClient(EngineClient):
         self._conn = Connection(ours.detach())
         self._built = loop.create_future()
         self._send(("init", self.model_dir, self.args, *self._log, structlog.contextvars.get_contextvars()))
-        loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+        self._reader.start()
         worker_side = loop.run_in_executor(None, self._load_inputs)  # while the core loads the model
         try:
             self.limits, self._stats, lora_enabled = await asyncio.wait_for(self._built, START_TIMEOUT_S)
@@ -144,8 +149,6 @@ class CoreClient(EngineClient):
 
     async def _stop_process(self, timeout: float) -> None:
         self._closing = True
-        if self._conn is not None and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
         if self.process is not None and self.process.poll() is None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.process.wait, timeout)
@@ -153,6 +156,8 @@ class CoreClient(EngineClient):
                 log.warning("engine core did not stop; killing it", core_pid=self.process.pid)
                 self.process.kill()
                 await asyncio.get_running_loop().run_in_executor(None, self.process.wait, STOP_TIMEOUT_S)
+        if self._reader is not None:  # it ends at the socket's end (the core exited) or its close
+            await asyncio.get_running_loop().run_in_executor(None, self._reader.join, STOP_TIMEOUT_S)
         if self._conn is not None and not self._conn.closed:
             self._conn.close()
         if self._streams:
@@ -225,18 +230,29 @@ class CoreClient(EngineClient):
         except OSError as exc:
             raise EngineDeadError(f"engine core unreachable: {exc}") from None
 
-    # ---- the core's messages, on the event loop ---------------------------------------------
-    def _on_readable(self) -> None:
+    # ---- the core's messages ----------------------------------------------------------------
+    def _read(self) -> None:
+        """The reader thread: every message that has arrived, to the event loop in one wake-up."""
         try:
-            while self._conn.poll(0):
-                self._handle(pickle.loads(self._conn.recv_bytes()))
+            while True:
+                messages = [pickle.loads(self._conn.recv_bytes())]
+                while self._conn.poll(0):
+                    messages.append(pickle.loads(self._conn.recv_bytes()))
+                for message in messages:
+                    if message[0] == "step":  # heartbeats read it on their own thread, loop or no loop
+                        self._stats = message[5]
+                self._loop.call_soon_threadsafe(self._handle_all, messages)
         except (EOFError, OSError):
-            self._core_gone()
+            self._loop.call_soon_threadsafe(self._core_gone)
+
+    def _handle_all(self, messages: list[tuple]) -> None:
+        for message in messages:
+            self._handle(message)
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "step":
-            _, outputs, seq, events, timings, self._stats = message
+            _, outputs, seq, events, timings, _stats = message
             self._deliver([self._output(o) for o in outputs], seq, events)
             if timings is not None and self.on_step is not None:
                 self.on_step(timings)
@@ -285,7 +301,6 @@ class CoreClient(EngineClient):
 
     def _core_gone(self) -> None:
         """The core's socket closed: it exited (or was killed). Everything open fails now."""
-        self._loop.remove_reader(self._conn.fileno())
         code = self.process.poll()
         if code is None:
             try:
