@@ -27,9 +27,9 @@ from aiohttp import web
 from opentelemetry import context as otel_context
 
 from services.engine.async_engine import AsyncLLMEngine
-from services.engine.core_client import CoreClient
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
+from services.engine.core_client import CoreClient
 from services.engine.engine_client import EngineDeadError
 from services.engine.heartbeats import HeartbeatThread
 from services.engine.llm_engine import LLMEngine
@@ -519,8 +519,11 @@ class EngineWorker:
         notices a dead engine loop at once (a core process that dies is known the moment its
         socket closes)."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.engine.failed.wait(), self.cfg.heartbeat_interval)
+            if self.engine.failed.is_set():  # told already: beat on
+                await asyncio.sleep(self.cfg.heartbeat_interval)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.engine.failed.wait(), self.cfg.heartbeat_interval)
             cutoff = time.monotonic() - 30.0
             for rid, (at, _) in list(self._early_cancels.items()):
                 if at < cutoff:
