@@ -3,6 +3,10 @@ behaviour test runs on both clients: the step loop in a thread (AsyncLLMEngine) 
 core process of its own (CoreClient)."""
 
 import asyncio
+import os
+import signal
+import socket
+import time
 
 import pytest
 
@@ -141,10 +145,6 @@ async def test_a_snapshot_covers_exactly_the_kv_event_batches_up_to_its_seq(engi
 
 
 async def test_a_killed_core_fails_its_streams_at_once_and_refuses_new_requests(tiny_model_dir):
-    import os
-    import signal
-    import time
-
     from services.engine.engine_client import EngineDeadError
 
     engine = CoreClient.from_model(tiny_model_dir, num_kv_blocks=256, max_num_seqs=8)
@@ -162,3 +162,15 @@ async def test_a_killed_core_fails_its_streams_at_once_and_refuses_new_requests(
             engine.add_request("late", "hello", SamplingParams(max_tokens=2))
     finally:
         await engine.shutdown()
+
+
+async def test_a_core_exits_when_its_worker_is_gone(tiny_model_dir):
+    """A worker killed outright leaves no core behind: the core's end of the socket closes."""
+    engine = CoreClient.from_model(tiny_model_dir, num_kv_blocks=64)
+    await engine.start()
+    stream = engine.add_request("orphaned", "A long story " * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
+    await asyncio.wait_for(stream.__anext__(), 30)
+    # What the kernel does to the socket of a worker that died: the core reads its end.
+    socket.socket(fileno=os.dup(engine._conn.fileno())).shutdown(socket.SHUT_RDWR)
+    assert await asyncio.get_running_loop().run_in_executor(None, engine.process.wait, 10) == 1
+    await engine.shutdown()
