@@ -38,6 +38,14 @@ class EngineArgsError(ValueError):
         super().__init__("; ".join(f"{name}: {reason}" for name, reason in problems))
 
 
+ENGINE_CORES = ("thread", "process")
+
+
+def _check_engine_core(value: str, _on_engine: bool = True) -> None:
+    if value not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {value!r}")
+
+
 @dataclass
 class EngineArgs:
     block_size: int = arg(16, "tokens per KV-cache block (a power of two)")
@@ -76,6 +84,9 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 4}; "adaptive": false keeps k fixed', check=_check_speculative_config)
+    engine_core: str = arg("process", "where the step loop runs: thread (a thread of the worker process) or process "
+                                     "(an engine core process of its own, as vLLM v1; the worker keeps NATS and "
+                                     "tokenization)", check=_check_engine_core)
 
     def __post_init__(self) -> None:
         problems = _problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, type(self),

@@ -12,6 +12,7 @@ work, in-flight streams finish (up to a timeout), the entry is removed, exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -25,9 +26,11 @@ import structlog
 from aiohttp import web
 from opentelemetry import context as otel_context
 
-from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from services.engine.async_engine import AsyncLLMEngine
 from services.engine.block_manager import KvEvents
 from services.engine.config import EngineArgs
+from services.engine.core_client import CoreClient
+from services.engine.engine_client import EngineDeadError
 from services.engine.heartbeats import HeartbeatThread
 from services.engine.llm_engine import LLMEngine
 from services.engine.lora import LoRAAdapterError
@@ -82,7 +85,7 @@ class EngineWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.state = "starting"
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: AsyncLLMEngine | CoreClient | None = None
         self.bus: Bus | None = None
         self.redis = None
         self.metrics = EngineMetrics(cfg.deployment, cfg.replica_id)
@@ -119,21 +122,23 @@ class EngineWorker:
         self.heartbeats = HeartbeatThread(f"engine-{cfg.replica_id}", cfg.nats_url, cfg.nats_auth, cfg.redis_url,
                                           cfg.heartbeat_interval, cfg.lease_ttl, self.heartbeat, self._registry_fields)
         self.heartbeats.start()
-        self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args),
-                                     on_kv_events=lambda seq, events: self._kv_queue.put_nowait((seq, events)),
-                                     on_step=self.metrics.observe_step)
+        on_kv_events = lambda seq, events: self._kv_queue.put_nowait((seq, events))  # noqa: E731
+        if args.engine_core == "process":
+            self.engine = CoreClient(cfg.model_dir, args, on_kv_events=on_kv_events, on_step=self.metrics.observe_step)
+        else:
+            self.engine = AsyncLLMEngine(lambda: LLMEngine(cfg.model_dir, args), on_kv_events=on_kv_events,
+                                         on_step=self.metrics.observe_step)
         try:
             await self.engine.start()
         except BaseException:  # no model: leave the fleet at once, not when the lease runs out
             await asyncio.get_running_loop().run_in_executor(None, self.heartbeats.stop)
             await registry.remove(self.redis, cfg.replica_id, cfg.deployment)
             raise
-        engine = self.engine.engine
         await self._start_http()
         await self.bus.subscribe(protocol.engine_generate(cfg.replica_id), GenerateRequest, self.on_generate)
         await self.bus.subscribe(protocol.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(protocol.engine_kv_snapshot(cfg.replica_id), KvSnapshotRequest, self.on_kv_snapshot)
-        if engine.lora is not None:
+        if self.engine.adapters is not None:
             await self.bus.subscribe(protocol.lora_adapters(cfg.deployment), LoraAdaptersChanged, self.on_adapters)
             await self.sync_adapters()
             self._spawn(self._adapter_sync_loop())
@@ -144,7 +149,7 @@ class EngineWorker:
         await self._heartbeat_once()
         self._spawn(self._heartbeat_loop())
         log.info("engine ready", model=cfg.model_dir, deployment=cfg.deployment, http=self.http_url,
-                 kv_blocks=engine.block_manager.num_blocks, block_size=args.block_size)
+                 kv_blocks=self.engine.limits.num_kv_blocks, block_size=args.block_size, engine_core=args.engine_core)
 
     async def _start_http(self) -> None:
         self._runner, self.http_url = await http.serve(
@@ -248,7 +253,7 @@ class EngineWorker:
         """The request's structured-output grammar compiled (off the event loop and the step loop;
         cached, so add_request finds it); a spec that does not compile refuses the request."""
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.engine.structured.compile,
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.compile_grammar,
                                                              req.sampling.structured)
         except InvalidRequestError as exc:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))
@@ -258,23 +263,23 @@ class EngineWorker:
     async def _context_error(self, req: GenerateRequest) -> str | None:
         """Why the prompt and max_tokens do not fit this model's context, if they do not (a text
         prompt is tokenized for it; the engine tokenizes it again, as it always does)."""
-        engine = self.engine.engine
+        engine = self.engine
         if req.prompt_token_ids is not None:
             prompt_len = len(req.prompt_token_ids)
         elif len(req.prompt) > 16_384:
-            prompt_len = len(await asyncio.get_running_loop().run_in_executor(None, engine.tokenizer.encode,
-                                                                              req.prompt))
+            prompt_len = len(await asyncio.get_running_loop().run_in_executor(None, engine.encode, req.prompt))
         else:
-            prompt_len = len(engine.tokenizer.encode(req.prompt))
+            prompt_len = len(engine.encode(req.prompt))
         prompt_len -= req.resume.generated if req.resume is not None else 0  # max_tokens counts those
-        if prompt_len + req.sampling.max_tokens <= engine.max_model_len:
+        max_model_len = engine.limits.max_model_len
+        if prompt_len + req.sampling.max_tokens <= max_model_len:
             return None
-        return (f"this model's maximum context length is {engine.max_model_len} tokens: a prompt of {prompt_len} "
+        return (f"this model's maximum context length is {max_model_len} tokens: a prompt of {prompt_len} "
                 f"and max_tokens {req.sampling.max_tokens} do not fit")
     async def _adapter_ready(self, req: GenerateRequest, raw) -> bool:
         """The request's adapter is served here and in the host cache (read from disk off the
         event loop and off the step loop); otherwise the request is refused."""
-        lora = self.engine.engine.lora
+        lora = self.engine.adapters
         if lora is None:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, f"LoRA adapter {req.lora!r} requested, but "
                                                                  f"{self.cfg.deployment} serves no adapters (enable_lora)")
@@ -299,7 +304,7 @@ class EngineWorker:
     async def sync_adapters(self) -> None:
         """Register and unregister adapters to match the deployment's registry. An adapter that
         cannot serve here is logged and skipped; the others serve on."""
-        lora = self.engine.engine.lora
+        lora = self.engine.adapters
         try:
             wanted = await adapters.read(self.redis, self.cfg.deployment)
         except Exception as exc:  # Redis away: keep what we serve
@@ -451,11 +456,11 @@ class EngineWorker:
     def heartbeat(self, stats: dict | None = None) -> Heartbeat:
         """The replica's heartbeat now. Called on the heartbeat thread too: it reads counters as
         they are and waits on nothing."""
-        if self.engine is None or self.engine.engine is None:  # the model is loading
+        if self.engine is None or self.engine.limits is None:  # the model is loading
             return Heartbeat(replica_id=self.cfg.replica_id, model=self.cfg.deployment,
                              deployment=self.cfg.deployment, state=self.state, timestamp=time.time(),
                              revision=self.cfg.revision)
-        stats = stats or self.engine.engine.stats()
+        stats = stats or self.engine.stats()
         queries = stats["prefix_cache_queries"]
         return Heartbeat(
             replica_id=self.cfg.replica_id, model=self.cfg.deployment, deployment=self.cfg.deployment,
@@ -466,8 +471,8 @@ class EngineWorker:
             kv_blocks_used=stats["used_blocks"], kv_blocks_total=stats["total_blocks"],
             quantization=stats["quantization"], kv_cache_dtype=stats["kv_cache_dtype"],
             prefix_hit_rate=stats["prefix_cache_hits"] / queries if queries else 0.0,
-            tokens_per_s=self._tokens_per_s, block_size=self.engine.engine.args.block_size,
-            max_num_seqs=self.engine.engine.args.max_num_seqs, accepted_total=self._accepted_total,
+            tokens_per_s=self._tokens_per_s, block_size=self.engine.limits.block_size,
+            max_num_seqs=self.engine.limits.max_num_seqs, accepted_total=self._accepted_total,
             timestamp=time.time(), revision=self.cfg.revision, ttft_p90_s=self._latency[0],
             itl_p50_s=self._latency[1], requests_finished=self.metrics.finished_total,
             requests_failed=self.metrics.failed_total, steps_total=stats["num_steps"], region=self.cfg.region,
@@ -498,7 +503,7 @@ class EngineWorker:
         recent latencies (their windows are written on this loop), the engine gauges."""
         self._update_rate()
         self._latency = (self.metrics.recent_ttft.quantile(0.9), self.metrics.recent_itl.quantile(0.5))
-        self.metrics.update_engine(self.engine.engine.stats())
+        self.metrics.update_engine(self.engine.stats())
 
     async def _heartbeat_once(self) -> None:
         """A heartbeat now, on this loop's connections (a change of state must not wait for the
@@ -512,9 +517,14 @@ class EngineWorker:
 
     async def _heartbeat_loop(self) -> None:
         """The periodic beats come from the heartbeat thread; this keeps their figures fresh and
-        notices a dead engine loop."""
+        notices a dead engine loop at once (a core process that dies is known the moment its
+        socket closes)."""
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            if self.engine.failed.is_set():  # told already: beat on
+                await asyncio.sleep(self.cfg.heartbeat_interval)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.engine.failed.wait(), self.cfg.heartbeat_interval)
             cutoff = time.monotonic() - 30.0
             for rid, (at, _) in list(self._early_cancels.items()):
                 if at < cutoff:
@@ -529,7 +539,7 @@ class EngineWorker:
 
     # ---- http -------------------------------------------------------------------------------
     async def _http_metrics(self, request: web.Request) -> web.Response:
-        self.metrics.update_engine(self.engine.engine.stats())
+        self.metrics.update_engine(self.engine.stats())
         return metrics_response(request, self.metrics.registry, self.history)
 
     async def _http_health(self, _request: web.Request) -> web.Response:
@@ -623,8 +633,11 @@ class ChunkSink:
         log.info("request finished", request_id=self.req.request_id, **fields)
 
     def fail(self, exc: BaseException) -> None:
-        self._observe(None, ErrorCode.INTERNAL)
-        self._end(lambda: self.worker._final_error(self.req, self.seq_no, ErrorCode.INTERNAL, str(exc)))
+        # A dead engine is this replica's loss, not the request's: `unavailable` (with the
+        # replica id) has the gateway continue the stream on another replica.
+        code = ErrorCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorCode.INTERNAL
+        self._observe(None, code)
+        self._end(lambda: self.worker._final_error(self.req, self.seq_no, code, str(exc)))
 
     def _end(self, final) -> None:
         if self.timer is not None:

@@ -1,20 +1,47 @@
-"""The async interface: streams step by step off the event loop, aborts free blocks at once."""
+"""The async interface: streams step by step off the event loop, aborts free blocks at once. Each
+behaviour test runs on both clients: the step loop in a thread (AsyncLLMEngine) and in an engine
+core process of its own (CoreClient)."""
 
 import asyncio
+import os
+import signal
+import socket
+import time
 
 import pytest
 
 from services.engine import InvalidRequestError, LLM, SamplingParams
 from services.engine.async_engine import AsyncLLMEngine
+from services.engine.core_client import CoreClient
 from tests.engine.conftest import assert_no_leak
+
+CLIENTS = {"thread": AsyncLLMEngine, "process": CoreClient}
+
+
+@pytest.fixture(params=list(CLIENTS))
+async def engine(request, tiny_model_dir):
+    eng = CLIENTS[request.param].from_model(tiny_model_dir, num_kv_blocks=256, max_num_seqs=8)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
 
 
 @pytest.fixture
-async def engine(tiny_model_dir):
+async def thread_engine(tiny_model_dir):
     eng = AsyncLLMEngine.from_model(tiny_model_dir, num_kv_blocks=256, max_num_seqs=8)
     await eng.start()
     yield eng
     await eng.shutdown()
+
+
+def assert_idle(engine) -> None:
+    """Nothing runs and every block is free: checked on the engine itself in this process, and
+    on the figures the core sent with its last step otherwise."""
+    if isinstance(engine, AsyncLLMEngine):
+        return assert_no_leak(engine.engine)
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == stats["used_blocks"] == 0, stats
+    assert stats["free_blocks"] == stats["total_blocks"] and engine.num_open_streams == 0
 
 
 async def collect(stream):
@@ -37,7 +64,7 @@ async def test_streams_match_the_offline_api(engine, tiny_model_dir):
         assert "".join(o.text_delta for o in outs) == ref.outputs[0].text
         assert outs[-1].finished and sum(o.finished for o in outs) == 1  # exactly one final output
         assert len(outs) > 1  # streamed step by step, not all at once
-    assert_no_leak(engine.engine)
+    assert_idle(engine)
 
 
 async def test_abort_mid_stream_frees_blocks_and_spares_the_others(engine):
@@ -54,7 +81,7 @@ async def test_abort_mid_stream_frees_blocks_and_spares_the_others(engine):
     other_outs = await asyncio.wait_for(collect(other), 30)
     assert other_outs[-1].outputs[0].finish_reason == "length" and len(other_outs[-1].outputs[0].token_ids) == 30
     await asyncio.sleep(0.1)
-    assert_no_leak(engine.engine)
+    assert_idle(engine)
 
 
 async def test_invalid_request_raises_at_add_time_and_engine_keeps_serving(engine):
@@ -76,7 +103,8 @@ async def test_event_loop_stays_responsive_during_steps(engine):
     assert ticks > 5  # the loop kept running while the engine thread computed
 
 
-async def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine):
+async def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(thread_engine):
+    engine = thread_engine
     from services.engine.async_engine import StepFailedError
 
     runner = engine.engine.runner
@@ -99,3 +127,50 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine
     finally:
         runner.execute = real
     assert_no_leak(engine.engine)
+
+
+async def test_a_snapshot_covers_exactly_the_kv_event_batches_up_to_its_seq(engine):
+    batches: list[tuple[int, object]] = []
+    engine.on_kv_events = lambda seq, events: batches.append((seq, events))
+    await asyncio.wait_for(collect(engine.add_request("a", "The cache holds blocks " * 8,
+                                                      SamplingParams(max_tokens=8, ignore_eos=True))), 30)
+    seq, hashes = await engine.kv_snapshot()
+    assert hashes and batches and batches[-1][0] == seq  # its batches arrived before it returned
+    assert [s for s, _ in batches] == list(range(1, seq + 1))  # numbered once each, in order
+    cached: set[int] = set()
+    for _, events in batches:
+        cached |= {h for h, _ in events.stored}
+        cached -= set(events.removed)
+    assert cached == hashes
+
+
+async def test_a_killed_core_fails_its_streams_at_once_and_refuses_new_requests(tiny_model_dir):
+    from services.engine.engine_client import EngineDeadError
+
+    engine = CoreClient.from_model(tiny_model_dir, num_kv_blocks=256, max_num_seqs=8)
+    await engine.start()
+    try:
+        stream = engine.add_request("doomed", "A long story " * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
+        await asyncio.wait_for(stream.__anext__(), 30)  # it runs
+        os.kill(engine.core_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match="signal 9"):
+            await asyncio.wait_for(collect(stream), 5)
+        await asyncio.wait_for(engine.failed.wait(), 1)
+        assert time.monotonic() - killed < 1.0 and engine.num_open_streams == 0
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", "hello", SamplingParams(max_tokens=2))
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_core_exits_when_its_worker_is_gone(tiny_model_dir):
+    """A worker killed outright leaves no core behind: the core's end of the socket closes."""
+    engine = CoreClient.from_model(tiny_model_dir, num_kv_blocks=64)
+    await engine.start()
+    stream = engine.add_request("orphaned", "A long story " * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
+    await asyncio.wait_for(stream.__anext__(), 30)
+    # What the kernel does to the socket of a worker that died: the core reads its end.
+    socket.socket(fileno=os.dup(engine._conn.fileno())).shutdown(socket.SHUT_RDWR)
+    assert await asyncio.get_running_loop().run_in_executor(None, engine.process.wait, 10) == 1
+    await engine.shutdown()
