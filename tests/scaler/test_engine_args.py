@@ -29,7 +29,7 @@ from shared.localstack import LocalStack
 @dataclasses.dataclass
 class WithOneMore(EngineArgs):
     """EngineArgs and one argument more: the one place a new argument is declared."""
-    engine_core: str = arg("thread", "where the step loop runs: thread or process")
+    step_order: str = arg("fifo", "the order waiting requests are scheduled in: fifo or priority")
 
 
 def engine_group_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -40,13 +40,13 @@ def engine_group_flags(parser: argparse.ArgumentParser) -> set[str]:
 def test_one_field_added_to_the_schema_appears_as_flag_spec_key_and_command_line():
     parser = argparse.ArgumentParser()
     WithOneMore.add_cli_args(parser)
-    assert "--engine-core" in engine_group_flags(parser)
-    assert WithOneMore.spec_args()["engine_core"] is str and "engine_core" not in EngineArgs.spec_args()
-    flags = WithOneMore.cli_flags({"engine_core": "process", "max_num_seqs": 8})
-    assert flags == ["--engine-core", "process", "--max-num-seqs", "8"]
+    assert "--step-order" in engine_group_flags(parser)
+    assert WithOneMore.spec_args()["step_order"] is str and "step_order" not in EngineArgs.spec_args()
+    flags = WithOneMore.cli_flags({"step_order": "priority", "max_num_seqs": 8})
+    assert flags == ["--step-order", "priority", "--max-num-seqs", "8"]
     args = WithOneMore.from_cli_args(parser.parse_args(flags))
-    assert (args.engine_core, args.max_num_seqs) == ("process", 8)
-    assert WithOneMore.spec_problems({"engine_core": "process"}) == []
+    assert (args.step_order, args.max_num_seqs) == ("priority", 8)
+    assert WithOneMore.spec_problems({"step_order": "priority"}) == []
 
 
 def test_the_engine_flags_and_the_spec_keys_are_the_schema():
