@@ -13,24 +13,9 @@ import pytest
 from shared import keys, protocol
 from shared.bus import Bus
 from shared.protocol import Cancel, GenerateAck, GenerateRequest, Heartbeat, TokenChunk, TokenChunkBatch
-from shared.store import connect_redis
 from tests.helpers import new_request, start_worker, wait_registered
 
 MAX_MODEL_LEN = 512  # below the tiny model's 2048: the engine advertises the smaller
-
-
-@pytest.fixture(scope="module")
-async def bus(infra):
-    b = await Bus.connect(infra.nats_url, "test-batches")
-    yield b
-    await b.close()
-
-
-@pytest.fixture(scope="module")
-async def redis(infra):
-    r = connect_redis(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 @pytest.fixture(scope="module")
