@@ -337,6 +337,7 @@ class EngineWorker:
             await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                             error=error, replica_id=self.cfg.replica_id))
 
+    # ---- streams: one ChunkSink per accepted request, one outbox for all ---------------------
     def _stream_ended(self, sink: ChunkSink) -> None:
         """A stream sent its final message."""
         self._streams.pop(sink.req.request_id, None)
