@@ -332,6 +332,7 @@ class LLMEngine:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "num_steps": self.num_steps,
+            "max_model_len": self.max_model_len, "vocab_size": self.model_config.vocab_size,  # effective limits
             "generated_tokens": self.num_generated_tokens,
             **{f"step_{phase}_s": getattr(self.step_timings, phase) for phase in STEP_PHASES},
             "step_wall_s": self.step_timings.wall,

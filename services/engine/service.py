@@ -1,12 +1,15 @@
 """The engine worker: one engine on the bus.
 
-Wires NATS subscriptions to handlers: generate requests stream TokenChunks straight to the
-caller's reply subject; cancels abort; KV events and heartbeats go out. Heartbeats and the Redis
-registry lease come from a thread of their own (services.engine.heartbeats), from the moment the
-process is on the bus: `starting` while the model loads (so requests for it wait instead of being
-refused), then `ready`. With enable_lora, the adapters registered for its deployment
-(shared.adapters) are served: registered and unregistered as announced. SIGTERM drains: no new
-work, in-flight streams finish (up to a timeout), the entry is removed, exit 0.
+Wires NATS subscriptions to handlers: generate requests stream TokenChunks (services.engine.
+chunk_sink) through one outbox (services.engine.outbox): to the caller's reply subject, or, for a
+gateway that names `batch_to`, in one TokenChunkBatch per step with its other requests; cancels
+abort; KV events and heartbeats go out. Heartbeats and the Redis registry lease come from a thread
+of their own (services.engine.heartbeats), from the moment the process is on the bus: `starting`
+while the model loads (so requests for it wait instead of being refused), then `ready`; they
+advertise the engine's effective max_model_len and vocab_size. With enable_lora, the adapters
+registered for its deployment (shared.adapters) are served: registered and unregistered as
+announced. SIGTERM drains: no new work, in-flight streams finish (up to a timeout), the entry is
+removed, exit 0.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import signal
 import socket
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 from aiohttp import web
-from opentelemetry import context as otel_context
 
 from services.engine.async_engine import AsyncLLMEngine
 from services.engine.block_manager import KvEvents
+from services.engine.chunk_sink import ChunkSink, StreamContext
 from services.engine.config import EngineArgs
 from services.engine.core_client import CoreClient
 from services.engine.engine_client import EngineDeadError
@@ -35,16 +37,15 @@ from services.engine.heartbeats import HeartbeatThread
 from services.engine.llm_engine import LLMEngine
 from services.engine.lora import LoRAAdapterError
 from services.engine.metrics import EngineMetrics
-from services.engine.observe import engine_stamps, record_spans
-from services.engine.outputs import RequestOutput
+from services.engine.outbox import Outbox
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from shared import adapters, http, protocol, registry, telemetry
+from shared import adapters, http, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
 from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GenerateAck, GenerateRequest, Heartbeat,
                              KvBlockStored, KvEventBatch, KvSnapshot, KvSnapshotRequest, LoraAdaptersChanged,
-                             SpecDecodeUsage, TokenChunk, TokenLogprob, Usage)
+                             TokenChunk)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -91,11 +92,13 @@ class EngineWorker:
         self.metrics = EngineMetrics(cfg.deployment, cfg.replica_id)
         self.history = MetricsHistory(self.metrics.registry)
         self.http_url = ""
-        self._tenants: dict[str, str | None] = {}
+        self._streams: dict[str, ChunkSink] = {}  # accepted requests until their final message
         self._tasks: set[asyncio.Task] = set()
         self._kv_queue: asyncio.Queue[tuple[int, KvEvents]] = asyncio.Queue()
-        self._outbox: deque[tuple[str, bytes]] = deque()
-        self._outbox_ready = asyncio.Event()
+        self.outbox = Outbox(lambda subject, payload: self.bus.publish(subject, payload), cfg.replica_id)
+        self._stream_context = StreamContext(cfg.replica_id, cfg.revision, self.metrics, self.outbox,
+                                             abort=lambda request_id: self.engine.abort(request_id),
+                                             on_end=self._stream_ended)
         self.epoch = uuid.uuid4().hex[:12]  # KV event numbering restarts with the process
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -103,8 +106,6 @@ class EngineWorker:
         self._last_heartbeat = 0.0
         self._tokens_per_s = 0.0
         self.exit_code = 0
-        self._drain_aborted: set[str] = set()
-        self._withdrawn_ids: set[str] = set()  # cancelled by name for this replica: another serves the caller
         self._early_cancels: dict[str, tuple[float, str | None]] = {}
         self._accepted_total = 0
         self._latency: tuple[float | None, float | None] = (None, None)  # recent TTFT p90, ITL p50
@@ -143,7 +144,7 @@ class EngineWorker:
             await self.sync_adapters()
             self._spawn(self._adapter_sync_loop())
         self._spawn(self._publish_kv_events())
-        self._spawn(self._publish_outbox())
+        self._spawn(self.outbox.run())
         self._spawn(self.history.run())
         self.state, self.ready_at = "ready", time.time()
         await self._heartbeat_once()
@@ -172,11 +173,10 @@ class EngineWorker:
         deadline = time.monotonic() + self.cfg.drain_timeout
         while self.engine.num_open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._tenants):
-            self._drain_aborted.add(rid)
-            self.engine.abort(rid)  # past the timeout: they end with an `unavailable` error
+        for sink in list(self._streams.values()):
+            sink.shut_down()  # past the timeout: they end with an `unavailable` error
         deadline = time.monotonic() + 5
-        while self._tenants and time.monotonic() < deadline:  # the aborts' final chunks are made
+        while self._streams and time.monotonic() < deadline:  # the aborts' final chunks are made
             await asyncio.sleep(0.02)
         await self.stop()
 
@@ -185,7 +185,7 @@ class EngineWorker:
             task.cancel()
         if self.heartbeats is not None:  # before deregistering: no beat may register it again
             await asyncio.get_running_loop().run_in_executor(None, self.heartbeats.stop)
-        await self._flush_outbox()  # chunks the publisher had not sent yet
+        await self.outbox.flush()  # chunks the publisher had not sent yet
         try:
             await registry.remove(self.redis, self.cfg.replica_id, self.cfg.deployment)
         except Exception as exc:
@@ -230,7 +230,7 @@ class EngineWorker:
             return
         if req.sampling.structured is not None and not await self._grammar_ready(req, raw):
             return
-        sink = ChunkSink(self, req, arrival)
+        sink = ChunkSink(self._stream_context, req, arrival)
         try:
             resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
             self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink,
@@ -241,7 +241,7 @@ class EngineWorker:
         except EngineDeadError as exc:
             await self._refuse(req, raw, ErrorCode.UNAVAILABLE, str(exc))
             return
-        self._tenants[req.request_id] = req.tenant
+        self._streams[req.request_id] = sink
         self._accepted_total += 1
         sink.start_deadline()
         ack = GenerateAck(req.request_id, self.cfg.replica_id, True, accepted_seq=self._accepted_total)
@@ -343,95 +343,31 @@ class EngineWorker:
             await self.bus.publish(req.reply_to, TokenChunk(request_id=req.request_id, seq=0, finish_reason="error",
                                                             error=error, replica_id=self.cfg.replica_id))
 
-    # ---- streaming: one sink per request, one publisher for all ----------------------------
-    def _emit(self, subject: str, message) -> None:
-        """Queue a message for the publisher, which sends everything in order, one wake per step."""
-        self._outbox.append((subject, protocol.encode(message)))
-        self._outbox_ready.set()
-
-    async def _publish_outbox(self) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            await self._flush_outbox()
-
-    async def _flush_outbox(self) -> None:
-        while self._outbox:  # one at a time: whatever a cancellation interrupts stays queued
-            subject, payload = self._outbox[0]
-            try:
-                await self.bus.publish(subject, payload)
-            except Exception as exc:  # NATS away: the caller's deadline ends the wait
-                log.warning("chunk publish failed", error=str(exc))
-            self._outbox.popleft()
-
-    def _final_error(self, req: GenerateRequest, seq_no: int, code: str, message: str) -> None:
-        self.metrics.finished("error")
-        self._emit(req.reply_to, TokenChunk(request_id=req.request_id, seq=seq_no, finish_reason="error",
-                                            error=ErrorInfo(code=code, message=message),
-                                            replica_id=self.cfg.replica_id, revision=self.cfg.revision or None))
-
-    def _chunk(self, req: GenerateRequest, seq_no: int, last: RequestOutput) -> TokenChunk:
-        chunk = TokenChunk(request_id=req.request_id, seq=seq_no, token_ids=last.new_token_ids, text=last.text_delta,
-                           replica_id=self.cfg.replica_id)
-        if req.sampling.logprobs is not None:
-            chunk.logprobs = [TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in last.new_logprobs]
-        if seq_no == 0 and last.prompt_logprobs is not None:
-            chunk.prompt_logprobs = [TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top, rank=e.rank)
-                                     for e in last.prompt_logprobs]
-        completion = last.outputs[0]
-        chunk.index, chunk.choices_running = completion.index, last.choices_running
-        chunk.finish_reason = completion.finish_reason  # set on each choice's last output
-        if last.finished:
-            chunk.usage = Usage(prompt_tokens=len(last.prompt_token_ids),
-                                completion_tokens=last.num_completion_tokens, cached_tokens=last.num_cached_tokens)
-            chunk.timings = {f"engine_{k}": v for k, v in last.metrics.timings().items()}
-            if last.metrics.num_draft_tokens:
-                chunk.spec_decode = SpecDecodeUsage(draft_tokens=last.metrics.num_draft_tokens,
-                                                    accepted_tokens=last.metrics.num_accepted_tokens)
-            chunk.revision = self.cfg.revision or None
-        return chunk
-
-    def _record_final(self, out: RequestOutput, arrival: float) -> None:
-        m = self.metrics
-        m.finished(out.outputs[0].finish_reason or "unknown")
-        m.prompt_tokens.inc(len(out.prompt_token_ids))
-        m.generation_tokens.inc(out.num_completion_tokens)
-        m.e2e.observe(time.monotonic() - arrival)
-        t = out.metrics.timings()
-        for key, hist in (("queue", m.queue_time), ("prefill", m.prefill_time), ("decode", m.decode_time)):
-            if key in t:
-                hist.observe(t[key])
+    # ---- streams: one ChunkSink per accepted request, one outbox for all ---------------------
+    def _stream_ended(self, sink: ChunkSink) -> None:
+        """A stream sent its final message."""
+        self._streams.pop(sink.req.request_id, None)
+        if self.state == "ready":
+            self._load_changed()
 
     # ---- cancel, KV events, heartbeats -------------------------------------------------------
     async def on_cancel(self, msg: Cancel, raw) -> None:
         if msg.replica_id is not None and msg.replica_id != self.cfg.replica_id:
             return  # it withdraws the request from another replica: this one may be its retry
-        if msg.request_id not in self._tenants:
+        sink = self._streams.get(msg.request_id)
+        if sink is None:
             # Not ours, or not here yet (the cancel overtook its generate message): remember it
             # for a while so a late generate is refused instead of running for nobody.
             self._early_cancels[msg.request_id] = (time.monotonic(), msg.tenant)
             return
-        owner = self._tenants[msg.request_id]
-        if owner is not None and msg.tenant != owner:
+        if sink.req.tenant is not None and msg.tenant != sink.req.tenant:
             log.warning("cancel refused: tenant mismatch", request_id=msg.request_id)
             return
         log.info("cancel", request_id=msg.request_id, withdrawn=msg.replica_id is not None)
         if msg.replica_id is not None:  # taken after its scheduler gave up on it: the caller is served elsewhere
-            self._withdrawn_ids.add(msg.request_id)
-        self.engine.abort(msg.request_id)
-
-    def _withdrawn(self, req: GenerateRequest, seq_no: int) -> None:
-        """This replica's run of a request is off (its scheduler gave up waiting for it and gave it
-        to another): the caller is told on `<reply_to>.accepted`, so it follows the other run; a run
-        that had already streamed also ends in band as `unavailable`, and the caller continues it
-        from what it got. Not an error of this replica's: counted as an abort."""
-        self.metrics.finished("abort")
-        self._emit(protocol.accepted(req.reply_to), GenerateAck(
-            req.request_id, self.cfg.replica_id, False, ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn")))
-        if seq_no:
-            self._emit(req.reply_to, TokenChunk(
-                request_id=req.request_id, seq=seq_no, finish_reason="error", replica_id=self.cfg.replica_id,
-                error=ErrorInfo(code=ErrorCode.UNAVAILABLE, message="withdrawn by its scheduler: continue elsewhere")))
+            sink.withdraw()
+        else:
+            self.engine.abort(msg.request_id)
 
     async def _publish_kv_events(self) -> None:
         """In order, one batch per engine step that changed the cache; the first batch of this
@@ -479,7 +415,8 @@ class EngineWorker:
             pool=self.cfg.pool, lora_resident=stats.get("lora_resident", []),
             lora_cached=stats.get("lora_cached", []), lora_running=stats.get("lora_running", []),
             lora_waiting=stats.get("lora_waiting", []), max_loras=stats.get("max_loras", 0),
-            max_lora_rank=stats.get("max_lora_rank", 0))
+            max_lora_rank=stats.get("max_lora_rank", 0), max_model_len=stats["max_model_len"],
+            vocab_size=stats["vocab_size"])
 
     def _registry_fields(self) -> dict:
         return {"http_url": self.http_url, "host": socket.gethostname(), "pid": os.getpid()}
@@ -545,104 +482,3 @@ class EngineWorker:
     async def _http_health(self, _request: web.Request) -> web.Response:
         body = {"state": self.state, "replica_id": self.cfg.replica_id, "deployment": self.cfg.deployment}
         return web.json_response(body, status=200 if self.state == "ready" else 503)
-
-
-class ChunkSink:
-    """One request's outputs turned into TokenChunks on the event loop, as the engine delivers
-    them (one per request per step): no task per request."""
-
-    def __init__(self, worker: EngineWorker, req: GenerateRequest, arrival: float):
-        self.worker, self.req, self.arrival = worker, req, arrival
-        self.trace_parent = otel_context.get_current()  # the sender's span, from the message headers
-        self.seq_no = 0
-        self.last_emit: float | None = None
-        self.expired = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    def start_deadline(self) -> None:
-        """One timer per request: at the deadline the engine aborts it, and the stream ends with
-        a deadline error."""
-        if self.req.deadline is not None:
-            loop = asyncio.get_running_loop()
-            self.timer = loop.call_at(loop.time() + max(self.req.deadline - time.time(), 0.0), self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        self.expired = True
-        self.worker.engine.abort(self.req.request_id)
-
-    def deliver(self, out: RequestOutput) -> None:
-        w, req = self.worker, self.req
-        if req.request_id in w._withdrawn_ids:  # another replica streams it: the caller follows that one
-            if out.finished:
-                w._withdrawn_ids.discard(req.request_id)
-                self._observe(out, ErrorCode.CANCELLED)
-                self._end(lambda: w._withdrawn(req, self.seq_no))
-            return
-        try:
-            if out.finished and self.expired:
-                self._observe(out, ErrorCode.DEADLINE_EXCEEDED)
-                return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.DEADLINE_EXCEEDED,
-                                                        "request deadline exceeded"))
-            if out.finished and req.request_id in w._drain_aborted:
-                self._observe(out, ErrorCode.UNAVAILABLE)
-                return self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.UNAVAILABLE,
-                                                        "the replica shut down before the request finished"))
-            chunk = w._chunk(req, self.seq_no, out)
-            now = time.monotonic()
-            if chunk.token_ids:
-                if self.last_emit is None:
-                    w.metrics.first_token(now - self.arrival)
-                else:
-                    w.metrics.token_gap((now - self.last_emit) / len(chunk.token_ids))
-                self.last_emit = now
-            if chunk.is_final:
-                chunk.timestamps = self._stamps(out)
-            w._emit(req.reply_to, chunk)
-            self.seq_no += 1
-            if chunk.is_final:
-                self._observe(out, None, chunk.timestamps)
-                self._end(lambda: w._record_final(out, self.arrival))
-        except Exception:  # never leave the caller without a final message
-            log.exception("stream failed", request_id=req.request_id)
-            w.engine.abort(req.request_id)
-            self._end(lambda: w._final_error(req, self.seq_no, ErrorCode.INTERNAL,
-                                             "internal error in the engine worker"))
-
-    def _stamps(self, out: RequestOutput | None) -> dict[str, float]:
-        """The request's hop timestamps, the engine's own added (shared.layers)."""
-        received = self.req.timestamps.get("engine_received", time.time())
-        return {**self.req.timestamps, **engine_stamps(received, self.arrival, out.metrics if out else None),
-                "engine_final_chunk": time.time()}
-
-    def _observe(self, out: RequestOutput | None, error: str | None, stamps: dict | None = None) -> None:
-        """The finished request's spans and its one log line."""
-        stamps = stamps or self._stamps(out)
-        fields = {"finish_reason": out.outputs[0].finish_reason if out else None, "error": error,
-                  "revision": self.worker.cfg.revision}
-        attributes = {"strata.revision": self.worker.cfg.revision}
-        if out is not None:
-            attributes |= {telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(out.prompt_token_ids),
-                           telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: out.num_completion_tokens,
-                           telemetry.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: out.num_cached_tokens,
-                           telemetry.GEN_AI_RESPONSE_FINISH_REASONS: [error or out.outputs[0].finish_reason or ""]}
-            fields.update(prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_completion_tokens,
-                          cached_tokens=out.num_cached_tokens,
-                          **{f"{k}_ms": round(v * 1e3, 3) for k, v in out.metrics.timings().items()})
-        record_spans(self.trace_parent, self.req.model, self.req.request_id, self.worker.cfg.replica_id, stamps,
-                     attributes, error)
-        log.info("request finished", request_id=self.req.request_id, **fields)
-
-    def fail(self, exc: BaseException) -> None:
-        # A dead engine is this replica's loss, not the request's: `unavailable` (with the
-        # replica id) has the gateway continue the stream on another replica.
-        code = ErrorCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorCode.INTERNAL
-        self._observe(None, code)
-        self._end(lambda: self.worker._final_error(self.req, self.seq_no, code, str(exc)))
-
-    def _end(self, final) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.worker._tenants.pop(self.req.request_id, None)
-        final()
-        if self.worker.state == "ready":
-            self.worker._load_changed()

@@ -47,6 +47,8 @@ class ReplicaState:
     lora_resident: frozenset[str] = frozenset()  # LoRA adapters in its device slots
     lora_cached: frozenset[str] = frozenset()  # LoRA adapters in its host cache
     max_loras: int = 0  # device slots for adapters (0: it serves none)
+    max_model_len: int = 0  # its effective context length and vocabulary (0: not said)
+    vocab_size: int = 0
 
     @property
     def load(self) -> int:

@@ -25,7 +25,7 @@ class ReplicaView:
         r.state, r.running, r.waiting = hb.state, hb.running, hb.waiting
         r.kv_blocks_used, r.kv_blocks_total = hb.kv_blocks_used, hb.kv_blocks_total
         r.block_size, r.max_num_seqs, r.revision = hb.block_size, hb.max_num_seqs, hb.revision
-        r.region = hb.region
+        r.region, r.max_model_len, r.vocab_size = hb.region, hb.max_model_len, hb.vocab_size
         r.lora_resident, r.lora_cached, r.max_loras = frozenset(hb.lora_resident), frozenset(hb.lora_cached), hb.max_loras
         r.reported(hb.accepted_total)
         r.ttft_s = hb.ttft_p90_s
@@ -59,7 +59,9 @@ class ReplicaView:
                     waiting=int(fields.get("waiting", 0)), kv_blocks_used=int(fields.get("kv_blocks_used", 0)),
                     kv_blocks_total=int(fields.get("kv_blocks_total", 1)),
                     block_size=int(fields.get("block_size", 16)), max_num_seqs=int(fields.get("max_num_seqs", 64)),
-                    revision=int(fields.get("revision", 0)), region=fields.get("region", ""), last_seen=now)
+                    revision=int(fields.get("revision", 0)), region=fields.get("region", ""),
+                    max_model_len=int(fields.get("max_model_len", 0)), vocab_size=int(fields.get("vocab_size", 0)),
+                    last_seen=now)
 
     def avoid(self, replica_id: str, now: float | None = None) -> None:
         """Keep a replica that just failed out of routing for a while."""

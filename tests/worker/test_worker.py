@@ -8,25 +8,9 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from shared import keys, protocol
-from shared.bus import Bus
 from shared.protocol import (Cancel, ErrorReply, GenerateAck, Heartbeat, KvEventBatch, KvSnapshot,
                              KvSnapshotRequest)
-from shared.store import connect_redis
 from tests.helpers import new_request, start_worker, stream_request, wait_registered
-
-
-@pytest.fixture(scope="module")
-async def bus(infra):
-    b = await Bus.connect(infra.nats_url, "test-worker")
-    yield b
-    await b.close()
-
-
-@pytest.fixture(scope="module")
-async def redis(infra):
-    r = connect_redis(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 @pytest.fixture(scope="module")
