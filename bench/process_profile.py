@@ -149,8 +149,36 @@ def _frame_label(frame: dict) -> str:
     return f"{frame['name']} ({file})" if file else frame["name"]
 
 
+# What a sample was doing, by its stack: waits first (the leaf), then the innermost Python
+# frame's file (path fragment -> category); anything else is named by that frame.
+_WAIT_LEAVES = {"epoll_wait": "idle: epoll", "epoll_pwait": "idle: epoll"}
+_CATEGORIES = (("torch/", "torch ops"), ("kernels/cpu", "Strata C kernels"), ("services/engine/model", "model (Python)"),
+               ("services/engine/attention", "model (Python)"), ("services/engine/linear", "model (Python)"),
+               ("nats/", "NATS client"), ("msgpack", "protocol encode/decode"),
+               ("shared/protocol", "protocol encode/decode"), ("aiohttp/", "aiohttp"), ("/json/", "json"),
+               ("prometheus_client", "metrics"), ("opentelemetry", "tracing"), ("structlog", "logging"),
+               ("/asyncio/", "asyncio"), ("uvloop", "asyncio"), ("redis/", "Redis client"))
+
+
+def _category(names: list[str], files: list[str]) -> str:
+    if names[-1] in _WAIT_LEAVES:
+        return _WAIT_LEAVES[names[-1]]
+    # CPython 3.11's GIL: take_gil waits in pthread_cond_timedwait, a forced switch's drop_gil in
+    # pthread_cond_wait (libgomp sleeps on a futex, Python locks on semaphores).
+    if "pthread_cond_timedwait" in names or "pthread_cond_wait" in names:
+        return "wait: GIL"
+    if any("libgomp" in f for f in files[-3:]):
+        return "OpenMP barrier (spinning)"
+    inner = next((i for i in range(len(files) - 1, -1, -1) if files[i].endswith(".py")), None)
+    if inner is None:
+        return f"native: {names[-1]}"
+    return next((label for key, label in _CATEGORIES if key in files[inner]),
+                f"{names[inner]} ({'/'.join(files[inner].split('/')[-2:])})")
+
+
 def summarize_speedscope(path: Path, top: int = 15) -> dict:
-    """Sampled seconds (py-spy weighs each sample by its interval), the share per thread, and the
+    """Sampled seconds (py-spy weighs each sample by its interval), the share per thread, each
+    thread's samples by category (waiting, OpenMP spinning, torch, NATS, protocol, ...), and the
     top functions by self time (the leaf), by innermost Python function (a native leaf counted in
     the Python code that called it: libgomp's barrier in the layer that ran the matmul) and by
     inclusive time (anywhere on the stack), as shares of all sampled time."""
@@ -161,22 +189,27 @@ def summarize_speedscope(path: Path, top: int = 15) -> dict:
     self_counts: Counter = Counter()
     python_counts: Counter = Counter()  # by the innermost Python frame: native leaves folded into their caller
     incl_counts: Counter = Counter()
-    threads = {}
+    threads, categories = {}, {}
     total = 0
     for profile in doc["profiles"]:
-        n = 0
+        n, cats = 0, Counter()
         for stack, weight in zip(profile["samples"], profile.get("weights") or [1] * len(profile["samples"])):
             n += weight
             if stack:
+                cats[_category([frames[i]["name"] for i in stack], [frames[i].get("file") or "" for i in stack])] += weight
                 self_counts[labels[stack[-1]]] += weight
                 python_counts[labels[next((i for i in reversed(stack) if is_python[i]), stack[-1])]] += weight
             for label in {labels[i] for i in stack}:
                 incl_counts[label] += weight
-        threads[profile.get("name", "?")] = n
+        name = profile.get("name", "?")
+        threads[name], categories[name] = n, cats
         total += n
     share = (lambda c: round(c / total, 4)) if total else (lambda c: 0.0)
     return {"sampled_s": round(total, 3),
             "threads": {k: share(v) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+            # per thread, shares of that thread's own samples
+            "thread_categories": {k: {c: round(v / threads[k], 4) for c, v in categories[k].most_common(top)}
+                                  for k in sorted(threads, key=lambda k: -threads[k]) if threads[k]},
             "top_self": [[label, share(c)] for label, c in self_counts.most_common(top)],
             "top_python": [[label, share(c)] for label, c in python_counts.most_common(top)],
             "top_inclusive": [[label, share(c)] for label, c in incl_counts.most_common(top)]}
@@ -187,6 +220,7 @@ def format_profile(name: str, summary: dict, top: int = 8) -> str:
         return f"    {name}: py-spy failed: {summary['error']}"
     lines = [f"    {name}: {summary['sampled_s']:.1f} s sampled ({summary['file']})",
              "      threads: " + ", ".join(f"{t} {s:.0%}" for t, s in list(summary["threads"].items())[:4])]
-    lines += [f"      self {s:6.1%}  {label}" for label, s in summary["top_self"][:top // 2]]
+    for thread, cats in list(summary["thread_categories"].items())[:3]:
+        lines.append(f"      {thread}: " + ", ".join(f"{c} {s:.0%}" for c, s in list(cats.items())[:top]))
     lines += [f"      in Python {s:6.1%}  {label}" for label, s in summary["top_python"][:top]]
     return "\n".join(lines)
