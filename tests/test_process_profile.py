@@ -45,6 +45,9 @@ def test_summarize_speedscope_self_and_inclusive_shares(tmp_path):
     assert out["top_self"][0] == ["step (eng/run.py)", 0.5]
     assert dict(out["top_self"])["epoll_wait"] == 0.25 and dict(out["top_self"])["main (x/app.py)"] == 0.25
     assert out["top_inclusive"][0] == ["main (x/app.py)", 1.0]
+    assert out["thread_categories"]["Thread 1 \"MainThread\""] == {"idle: epoll": 1.0}
+    assert out["thread_categories"]["Thread 2 \"engine-loop\""] == {"step (eng/run.py)": 0.6667,
+                                                                    "main (x/app.py)": 0.3333}
 
 
 @pytest.mark.skipif(pyspy_binary() is None, reason="py-spy not installed (pip install -e '.[profile]')")
