@@ -7,7 +7,7 @@ request: the hop layers of shared/layers.py over HTTP, the engine's queue/prefil
 the engine's step phases at c32 (StepTimings: ms per step, tokens per step, the share of the wall
 time the engine spent stepping); CPU seconds per generated token of every process (gateway,
 scheduler, engine, nats-server, valkey, the bench's own client) at c1 and c32, and what the
-machine's other users took meanwhile. With `--profile DIR`, one more c32 round per arm runs under
+machine's other users took meanwhile. With `--profile DIR`, each arm's c32 rounds run once more under
 py-spy (`record --native`, speedscope files in DIR and a top-functions summary in the JSON); its
 figures are not the measured ones (py-spy pauses the processes it samples).
 Writes bench/results/gateway_overhead.json.
@@ -87,10 +87,12 @@ async def inproc_one(engine: AsyncLLMEngine, rid: str, prompt: list[int], max_to
 
 async def http_one(http: aiohttp.ClientSession, stack: LocalStack, prompt: list[int], max_tokens: int) -> Reply:
     ttft, final = await stream_completion(http, stack, prompt, max_tokens)
-    timings = final.get("strata", {}).get("timings", {})
-    parts = {name: timings.get(name, 0.0) for name in LAYER_NAMES}
-    # The client's side: its HTTP request reaching the gateway, the SSE event coming back.
-    parts["client_http"] = ttft - timings.get("e2e", 0.0)
+    timings = final.get("strata", {}).get("timings")
+    parts = {}
+    if timings:  # absent: the gateway did not say (the split then reports the TTFT alone)
+        parts = {name: timings.get(name, 0.0) for name in LAYER_NAMES}
+        # The client's side: its HTTP request reaching the gateway, the SSE event coming back.
+        parts["client_http"] = ttft - timings.get("e2e", 0.0)
     return Reply(ttft, final["usage"]["completion_tokens"], parts)
 
 
