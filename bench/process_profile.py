@@ -4,7 +4,8 @@
 a window, per generated token, beside what the whole machine was busy with in the same window
 (the difference is other people's work on a shared machine: the noise). `PySpy`: py-spy
 (`record --native`) on the same processes for a window, speedscope JSON per process plus a
-summary of where the samples fell (top functions by self and inclusive samples, per thread).
+summary of where the samples fell (per thread by category: idle, GIL wait, OpenMP barrier, torch,
+NATS, protocol, ...; top functions by self, innermost-Python and inclusive time).
 """
 
 from __future__ import annotations
