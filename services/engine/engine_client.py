@@ -10,6 +10,7 @@ offer the same small interface to the worker: `limits`, `stats()`, `encode(text)
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ class StepGuard:
         return outputs, [], None
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """The part both clients share: the open requests' sinks, delivery on the event loop, and
     failing them when a step or the whole loop fails. Subclasses set `inputs` and `structured`
     (the worker-side InputProcessor and StructuredOutputs) once the engine is built, and
@@ -174,9 +175,11 @@ class EngineClient:
         self._streams[request_id] = stream
         return stream
 
+    @abc.abstractmethod
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 arrival_time: float | None, resumed: tuple[int, int], lora_name: str | None) -> None:
-        raise NotImplementedError
+        """Hand a validated request to the step loop: a thread's command queue, or the core
+        process's socket."""
 
     # ---- delivery, on the event loop --------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput], seq: int, events: KvEvents | None) -> None:
