@@ -15,13 +15,13 @@ Figures: wall seconds, engine steps, and the most KV blocks in use at once.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import write_results  # noqa: E402
@@ -38,7 +38,7 @@ def run(engine: LLMEngine, prompt: list[int], n: int, max_tokens: int, forked: b
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=True)
     start = time.perf_counter()
     if forked:
-        engine.add_request("forked", prompt, dataclasses.replace(params, n=n))
+        engine.add_request("forked", prompt, msgspec.structs.replace(params, n=n))
     else:
         for i in range(n):
             engine.add_request(f"separate-{i}", prompt, params)

@@ -40,7 +40,7 @@ from bench.common import pyplot, write_results  # noqa: E402
 from shared import aio, keys, protocol  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.localstack import LocalInfra, engine_module_args  # noqa: E402
-from shared.protocol import GenerateRequest, SamplingSpec, TokenChunk, TokenChunkBatch  # noqa: E402
+from shared.protocol import GenerateRequest, SamplingParams, TokenChunk, TokenChunkBatch  # noqa: E402
 from shared.store import connect_redis  # noqa: E402
 from shared.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -94,7 +94,7 @@ async def run_arm(bus: Bus, arm: str, prompts: list[list[int]], max_tokens: int)
         rid = uuid.uuid4().hex
         requests.append(GenerateRequest(
             request_id=rid, model="bench", reply_to=f"_INBOX.bench.r.{rid}", prompt_token_ids=prompt,
-            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             batch_to=gateways[i % len(gateways)]))
     pending = {r.request_id for r in requests}
     done = asyncio.Event()

@@ -9,32 +9,34 @@ batch whose rows have none, one row with each, and every row with each, greedy a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import write_results  # noqa: E402
 from bench.sampler import best_ms, make_seqs  # noqa: E402
+from services.engine.logits_processors import ResolvedProcessors  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 BASES = {"greedy": dict(temperature=0.0), "sampled (t0.8 p0.95 k50)": dict(temperature=0.8, top_p=0.95, top_k=50)}
 
 
-def processors(vocab: int) -> dict[str, dict]:
-    """Each processor as the resolved SamplingParams fields the sampler reads."""
+def processors(vocab: int) -> dict[str, tuple[dict, ResolvedProcessors | None]]:
+    """Each processor as the sampler reads it: SamplingParams fields, and what the engine
+    resolves from them onto the Sequence (logits_processors.resolve)."""
     rng = random.Random(1)
     return {
-        "logit_bias (16 ids)": dict(logit_bias={rng.randrange(vocab): 5.0 for _ in range(16)}),
-        "allowed_token_ids (256)": dict(allowed_token_ids=rng.sample(range(vocab), 256)),
-        "bad_words (8 two-token words)": dict(bad_words=["w"], bad_words_token_ids=[
-            [rng.randrange(vocab), rng.randrange(vocab)] for _ in range(8)]),
-        "min_tokens (2 EOS ids)": dict(min_tokens=1000, max_tokens=2000, min_tokens_masked_ids=[1, 2]),
+        "logit_bias (16 ids)": (dict(logit_bias={rng.randrange(vocab): 5.0 for _ in range(16)}), None),
+        "allowed_token_ids (256)": (dict(allowed_token_ids=rng.sample(range(vocab), 256)), None),
+        "bad_words (8 two-token words)": (dict(bad_words=["w"]), ResolvedProcessors(
+            [[rng.randrange(vocab), rng.randrange(vocab)] for _ in range(8)], [])),
+        "min_tokens (2 EOS ids)": (dict(min_tokens=1000, max_tokens=2000), ResolvedProcessors([], [1, 2])),
     }
 
 
@@ -58,15 +60,15 @@ def main(argv=None) -> int:
             plain = SamplingParams(**base).resolved()
             seqs = make_seqs(plain, rows, vocab)
             none = best_ms(lambda: sampler.sample(logits, sampler.prepare(seqs)), args.repeats)
-            for name, fields in processors(vocab).items():
-                with_params = dataclasses.replace(plain, **fields)
+            for name, (fields, resolved) in processors(vocab).items():
+                with_params = msgspec.structs.replace(plain, **fields)
                 timings = {}
                 for label, count in (("one", 1), ("every", rows)):
                     for i, seq in enumerate(seqs):
-                        seq.params = with_params if i < count else plain
+                        seq.params, seq.processors = (with_params, resolved) if i < count else (plain, None)
                     timings[label] = best_ms(lambda: sampler.sample(logits, sampler.prepare(seqs)), args.repeats)
                 for seq in seqs:
-                    seq.params = plain
+                    seq.params, seq.processors = plain, None
                 print(f"  {base_name:26s} {name:32s} {none:7.2f} {timings['one']:7.2f} ({timings['one'] / none:4.2f}x)"
                       f" {timings['every']:7.2f} ({timings['every'] / none:4.2f}x)")
                 results.append({"vocab": vocab, "rows": rows, "base": base_name, "processor": name, "none_ms": none,

@@ -41,10 +41,11 @@ def load_old(ref: str):
 
 def generate_request(p, tokens: int):
     rng = random.Random(0)
+    sampling_params = getattr(p, "SamplingParams", None) or p.SamplingSpec  # (its name at --old-ref)
     return p.GenerateRequest(
         request_id="r-" + "7" * 30, model="bench-llama-m", reply_to="_INBOX.gateway.gw.abcdef.r1",
         prompt_token_ids=[rng.randrange(151_936) for _ in range(tokens)],
-        sampling=p.SamplingSpec(max_tokens=256, temperature=0.7, top_p=0.95, seed=1234, stop=["\n\n"]),
+        sampling=sampling_params(max_tokens=256, temperature=0.7, top_p=0.95, seed=1234, stop=["\n\n"]),
         deadline=1.8e9, tenant="bench", priority="standard",
         timestamps={"gateway_arrival": 1.8e9, "gateway_sent": 1.8e9 + 0.001, "scheduler_received": 1.8e9 + 0.002},
         region="local", batch_to="_GW.gw.batches")

@@ -43,7 +43,7 @@ def make_seqs(params: SamplingParams, rows: int, vocab: int) -> list[Sequence]:
     rng = random.Random(0)
     seqs = []
     for i in range(rows):
-        seq = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(300)], params, None)
+        seq = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(300)], params)
         seq.token_ids.extend(rng.randrange(vocab) for _ in range(100))
         seqs.append(seq)
     return seqs

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from msgspec import field
 
-from shared.sampling_ranges import check as check_sampling
+from shared import sampling_ranges
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})  # (a reader of several would decode a union of each one's Structs)
@@ -387,22 +387,23 @@ class StructuredSpec(Message):
             raise ProtocolError("StructuredSpec: choice must be a non-empty list of non-empty strings")
 
 
-class SamplingSpec(Message):
-    """Sampling parameters on the wire, in the ranges of shared.sampling_ranges (checked by
-    GenerateRequest.validate, as by the gateway and the engine). Absent (None) temperature,
-    top_p, top_k, min_p and repetition_penalty take the served model's generation_config.json
-    defaults, else 1.0, 1.0, -1 (off), 0.0 and 1.0."""
+class SamplingParams(Message):
+    """Sampling parameters: one class for the wire (GenerateRequest.sampling), the gateway that
+    builds them and the engine (LLMEngine, `LLM.generate`) that runs them, as decoded. Ranges:
+    shared.sampling_ranges (checked by GenerateRequest.validate, as by the gateway and the engine).
+    Absent (None) temperature, top_p, top_k, min_p and repetition_penalty take the served model's
+    generation_config.json defaults, else sampling_ranges.BUILTIN_DEFAULTS (`resolved`)."""
 
     max_tokens: int = 16
-    temperature: float | None = None
+    temperature: float | None = None  # 0 = greedy
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # -1 or 0 = off (as is k >= the vocabulary)
     min_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # same seed, same output, whatever else is in the batch
+    stop: list[str] = field(default_factory=list)  # not in the output text; a str given to the constructor is [str]
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs per generated token
+    logprobs: int | None = None  # top-n logprobs per generated token (0 = only the chosen one)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -415,13 +416,42 @@ class SamplingSpec(Message):
     # Prompt logprobs: top-n per prompt position (0 = only the prompt token's own), on the first
     # chunk; with them, max_tokens may be 0 (prefill only).
     prompt_logprobs: int | None = None
-    # Fields (issue 18), vLLM's names: logits processors, and how the text is made.
+    # Fields (issue 18), vLLM's names: logits processors (services/engine/logits_processors.py),
+    # and how the text is made.
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    min_tokens: int = 0  # EOS and stop_token_ids masked until this many were generated
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (as words: with and without a leading space)
+    min_tokens: int = 0  # EOS and stop_token_ids masked (and stop strings not checked) until this many
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    MAX_LOGPROBS: ClassVar[int] = sampling_ranges.MAX_LOGPROBS
+    MAX_N: ClassVar[int] = sampling_ranges.MAX_N  # bounds one request's sequences (a gateway's --max-n is lower)
+    GREEDY_BELOW: ClassVar[float] = 1e-5  # smaller temperatures overflow logits / T: treated as greedy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # SamplingParams(stop="\n"), as vLLM's takes it (never on the wire)
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        super().__post_init__()
+
+    def resolved(self, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """A copy with every unset field filled: from `defaults` (the model's generation config),
+        else the built-in default; self when none is unset."""
+        unset = {name: (defaults or {}).get(name, value) for name, value in sampling_ranges.BUILTIN_DEFAULTS.items()
+                 if getattr(self, name) is None}
+        return msgspec.structs.replace(self, **unset) if unset else self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < self.GREEDY_BELOW
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class Resume(Message):
@@ -443,7 +473,7 @@ class GenerateRequest(Envelope):
     reply_to: str
     prompt: str | None = None
     prompt_token_ids: list[TokenId] | None = None  # each in [0, 2**63), checked as decoded
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     deadline: float | None = None  # unix seconds; the request is aborted after it
     tenant: str | None = None
     priority: str | None = None  # critical | standard | sheddable
@@ -492,7 +522,7 @@ class GenerateRequest(Envelope):
         if self.priority is not None and self.priority not in PRIORITIES:
             return f"priority {self.priority!r} is not one of {', '.join(PRIORITIES)}"
         # The ranges the gateway and the engine check too (rules between fields: the engine's).
-        problem = check_sampling(self.sampling, between_fields=False)
+        problem = sampling_ranges.check(self.sampling, between_fields=False)
         return f"sampling.{problem[0]} {problem[1]}" if problem else None
 
 
@@ -543,7 +573,7 @@ class TokenChunk(Envelope):
     replica_id: str | None = None
     revision: int | None = None  # on the final chunk: the deployment revision that served it
     spec_decode: SpecDecodeUsage | None = None  # on the final chunk, when drafts were verified for it
-    # Choices (SamplingSpec.n > 1): which choice the chunk belongs to; chunks of different choices
+    # Choices (SamplingParams.n > 1): which choice the chunk belongs to; chunks of different choices
     # interleave. Each choice ends in one chunk with its finish_reason; `choices_running` counts the
     # choices still running after it, so the request's final chunk is the one where it is 0 (and
     # carries the usage of all choices, the prompt counted once).

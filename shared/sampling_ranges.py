@@ -1,10 +1,11 @@
-"""The ranges of the sampling parameters, defined once.
+"""The ranges (and the built-in defaults) of the sampling parameters, defined once.
 
 The gateway's request parsing (services/gateway/openai_api.py) and its OpenAPI schema, the wire's
-GenerateRequest.validate (shared/protocol.py) and the engine's SamplingParams.validate all read
-this table, so a value one of them accepts is never refused by another. The semantics are vLLM's
-(SamplingParams._verify_args): temperature in [0, 2], top_k -1 or 0 = off, repetition_penalty
-> 0; where Strata is narrower it says so (seed >= 0; logprobs at most 20, no -1). Pure, no I/O.
+GenerateRequest.validate (shared/protocol.py) and the engine's checks (services.engine.sampling_params.check,
+services/engine/sampling_params.py) all read this table, so a value one of them accepts is never
+refused by another. The semantics are vLLM's (SamplingParams._verify_args): temperature in
+[0, 2], top_k -1 or 0 = off, repetition_penalty > 0; where Strata is narrower it says so
+(seed >= 0; logprobs at most 20, no -1). Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-# Unset (None) temperature, top_p, top_k, min_p and repetition_penalty take the model's
-# generation_config.json defaults at the engine; every value sent is checked here.
+# What an unset (None) temperature, top_p, top_k, min_p and repetition_penalty means when the
+# model's generation_config.json does not say (vLLM's defaults); the checkpoint's values fill in
+# first (SamplingParams.resolved at the engine). Every value sent is checked against RANGES.
+BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, INT32_MAX, integer=True),  # 0 too with prompt_logprobs (prefill only)
     "temperature": Range(0.0, 2.0),  # 0 = greedy
@@ -105,12 +109,12 @@ def max_tokens_range(prefill_only: bool) -> Range:
 
 
 def check(params: Any, between_fields: bool = True) -> tuple[str, str] | None:
-    """The first sampling parameter of `params` (a SamplingSpec or the engine's SamplingParams:
-    anything with these attributes) out of range, as (name, why), or None. Unset (None) values
-    are not checked; every logit_bias value must be in LOGIT_BIAS, and max_tokens may be 0 only
-    with prompt_logprobs. `between_fields`: the engine's rules between fields too (min_tokens at
-    most max_tokens; n 1 with max_tokens 0). The gateway and the wire leave those to the engine:
-    a resumed stream's legs carry the max_tokens left, not the request's."""
+    """The first sampling parameter of `params` (a shared.protocol.SamplingParams) out of range,
+    as (name, why), or None. Unset (None) values are not checked; every logit_bias value must be
+    in LOGIT_BIAS, and max_tokens may be 0 only with prompt_logprobs. `between_fields`: the
+    engine's rules between fields too (min_tokens at most max_tokens; n 1 with max_tokens 0). The
+    gateway and the wire leave those to the engine: a resumed stream's legs carry the max_tokens
+    left, not the request's."""
     for name, range_ in RANGES.items():
         value = getattr(params, name)
         if name == "max_tokens":

@@ -84,6 +84,6 @@ async def stream_request(bus, subject: str, request: GenerateRequest, timeout: f
 
 def new_request(prompt, max_tokens=16, **sampling) -> GenerateRequest:
     rid = uuid.uuid4().hex
-    spec = protocol.SamplingSpec(max_tokens=max_tokens, **sampling)
+    spec = protocol.SamplingParams(max_tokens=max_tokens, **sampling)
     kwargs = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
     return GenerateRequest(request_id=rid, model="tiny", reply_to=f"_INBOX.test.{rid}", sampling=spec, **kwargs)

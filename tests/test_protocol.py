@@ -7,7 +7,7 @@ import pytest
 
 from shared import protocol
 from shared.protocol import (Cancel, GenerateRequest, KvBlockStored, KvEventBatch, ProtocolError,
-                             SamplingSpec, TokenChunk, Usage)
+                             SamplingParams, TokenChunk, Usage)
 
 
 def pack(obj) -> bytes:
@@ -16,7 +16,7 @@ def pack(obj) -> bytes:
 
 def valid_request() -> GenerateRequest:
     return GenerateRequest(request_id="r1", model="tiny", reply_to="_INBOX.x", prompt="hi",
-                           sampling=SamplingSpec(max_tokens=8, temperature=0.0, stop=["\n"]))
+                           sampling=SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"]))
 
 
 def test_round_trip_keeps_every_field():

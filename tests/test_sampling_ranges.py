@@ -1,12 +1,12 @@
 """One table of sampling ranges (shared.sampling_ranges): the gateway's request parsing, its
-OpenAPI schema, the wire's GenerateRequest.validate and the engine's SamplingParams.validate
+OpenAPI schema, the wire's GenerateRequest.validate and the engine's sampling_params.check
 accept exactly the same values, probed at and around every bound; the semantics are vLLM's."""
 
 import jsonschema
 import msgpack
 import pytest
 
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sampling_params import InvalidRequestError, SamplingParams, check
 from services.gateway import openai_api as oa
 from services.gateway.openapi import openapi_spec
 from shared import protocol
@@ -58,7 +58,7 @@ def wire_accepts(name: str, value) -> bool:
 
 def engine_accepts(name: str, value) -> bool:
     try:
-        SamplingParams(**fields(name, value)).resolved().validate(VOCAB)
+        check(SamplingParams(**fields(name, value)).resolved(), VOCAB)
     except InvalidRequestError as exc:
         assert exc.param == name, exc
         return False
@@ -112,7 +112,7 @@ def test_rules_between_fields():
     for params, param in ((dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(max_tokens=0), "max_tokens"),
                           (dict(max_tokens=0, prompt_logprobs=0, n=2), "n"), (dict(logit_bias={5: 101.0}), "logit_bias")):
         with pytest.raises(InvalidRequestError) as err:
-            SamplingParams(**params).resolved().validate(VOCAB)
+            check(SamplingParams(**params).resolved(), VOCAB)
         assert err.value.param == param
     for sampling, refused in (({"max_tokens": 0}, "sampling.max_tokens"), ({"logit_bias": {5: 101.0}}, "sampling.logit_bias"),
                               ({"max_tokens": 4, "min_tokens": 5}, None), ({"max_tokens": 0, "prompt_logprobs": 0, "n": 2}, None)):

@@ -14,8 +14,9 @@ finished when every choice is, and its usage counts the prompt once.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+
+import msgspec
 
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import Sequence, SequenceStatus
@@ -48,7 +49,7 @@ class ChoiceGroup:
         """make_seq(params) builds a fresh sequence of the same request and prompt."""
         self.seqs = [first]
         for index in range(1, n):
-            params = dataclasses.replace(first.params, seed=seed_for_choice(first.params.seed, index))
+            params = msgspec.structs.replace(first.params, seed=seed_for_choice(first.params.seed, index))
             seq = make_seq(params)
             seq.index, seq.group = index, self
             self.seqs.append(seq)

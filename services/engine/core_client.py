@@ -3,7 +3,8 @@ AsyncLLMEngine interface, with the step loop in another process.
 
 The worker tokenizes and validates each request itself (its own tokenizer, InputProcessor and
 StructuredOutputs, built while the core loads the model), sends it to the core, and rebuilds a
-RequestOutput per request from each step's one message. A reader thread takes the core's
+RequestOutput per request from each step's one message, its text made here by an
+OutputProcessor (which also ends choices on stop strings, and tells the core to stop them). A reader thread takes the core's
 messages off its socket (so the figures heartbeats report stay current, and the core never waits
 on a busy event loop) and hands them to the event loop, all that arrived at once in one wake-up;
 when the core dies the socket closes, and every open stream fails with EngineDeadError at once
@@ -34,6 +35,7 @@ from services.engine.engine_client import (EngineClient, EngineDeadError, StepFa
 from services.engine.input_processor import InputProcessor
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import StepTimings
+from services.engine.output_processor import OutputProcessor
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.structured import StructuredOutputs
@@ -97,6 +99,7 @@ class CoreClient(EngineClient):
         self._closing = False
         self._reader: threading.Thread | None = None
         self.adapters: CoreAdapters | None = None
+        self.outputs: OutputProcessor | None = None  # text and stop strings, once started
 
     @classmethod
     def from_model(cls, model_dir: str | Path, **engine_args) -> "CoreClient":
@@ -130,6 +133,7 @@ class CoreClient(EngineClient):
         self.inputs = InputProcessor(tokenizer, config, self.limits.max_model_len,
                                      config.generation_defaults(self.args.generation_config), self.structured)
         self.adapters = CoreAdapters(self) if lora_enabled else None
+        self.outputs = OutputProcessor(tokenizer.backend_tokenizer)
         log.info("engine core started", core_pid=self.process.pid)
 
     def _load_inputs(self):
@@ -184,7 +188,9 @@ class CoreClient(EngineClient):
             if self.adapters.path_of(lora_name) is None:
                 raise InvalidRequestError(f"LoRA adapter {lora_name!r} is not loaded", "model")
         self._send(("add", request_id, text, ids, params, arrival_time or time.monotonic(), resumed, lora_name))
-        self._prompts[request_id] = (text, ids[:len(ids) - resumed[0]])
+        prompt_ids = ids[:len(ids) - resumed[0]]
+        self._prompts[request_id] = (text, prompt_ids)
+        self.outputs.add(request_id, prompt_ids, params, ids[len(prompt_ids):], resumed[1])
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason 'abort' and its blocks are freed
@@ -253,17 +259,20 @@ class CoreClient(EngineClient):
         kind = message[0]
         if kind == "step":
             _, outputs, seq, events, timings, _stats = message
-            self._deliver([self._output(o) for o in outputs], seq, events)
+            self._deliver(self._process(outputs), seq, events)
             if timings is not None and self.on_step is not None:
+                # The step as the caller sees it: the core's, then its text here (phases still sum to wall).
+                timings.detokenize = self.outputs.busy_s
+                timings.wall += timings.detokenize
                 self.on_step(timings)
         elif kind == "failed":
             _, request_ids, text = message
             for rid in request_ids:
-                self._prompts.pop(rid, None)
+                self._forget(rid)
             self._fail_requests(request_ids, StepFailedError(text))
         elif kind == "rejected":
             _, rid, exc = message
-            self._prompts.pop(rid, None)
+            self._forget(rid)
             self._fail_requests([rid], exc)
         elif kind == "snapshot":
             _, call_id, seq, events, hashes = message
@@ -287,17 +296,39 @@ class CoreClient(EngineClient):
         else:
             future.set_exception(value)
 
+    def _process(self, step_outputs: list[tuple]) -> list[RequestOutput]:
+        """A step's outputs with their text; the choices a stop string ended are stopped on the core."""
+        processor, outputs = self.outputs, []
+        processor.busy_s = 0.0
+        for step_output in step_outputs:
+            out = processor.process(self._output(step_output))
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    self._prompts.pop(out.request_id, None)
+        for request_id, index in processor.take_stopped():
+            try:
+                self._send(("stop", request_id, index))
+            except EngineDeadError:
+                pass  # nothing runs any more
+        return outputs
+
     def _output(self, step_output: tuple) -> RequestOutput:
-        (rid, index, new_ids, delta, new_logprobs, finish_reason, choices_running, finished, prompt_logprobs,
-         ended) = step_output
-        text, prompt_ids = self._prompts.pop(rid) if finished else self._prompts.get(rid, (None, []))
+        """The core's RequestOutput (token ids, no text) from its StepOutput tuple."""
+        (rid, index, new_ids, new_logprobs, finish_reason, choices_running, finished, prompt_logprobs, ended,
+         metrics) = step_output
+        text, prompt_ids = self._prompts.get(rid, (None, []))
         if ended is None:  # a choice mid-stream: the deltas are what a stream reads
-            completion, metrics, cached, completion_tokens = CompletionOutput(index, "", []), None, 0, 0
+            completion, cached, completion_tokens = CompletionOutput(index, "", []), 0, 0
         else:
-            full_text, token_ids, logprobs, cached, completion_tokens, metrics = ended
-            completion = CompletionOutput(index, full_text, token_ids, finish_reason, logprobs)
-        return RequestOutput(rid, text, prompt_ids, [completion], finished, cached, new_ids, delta, new_logprobs,
+            token_ids, logprobs, cached, completion_tokens, metrics = ended
+            completion = CompletionOutput(index, "", token_ids, finish_reason, logprobs)
+        return RequestOutput(rid, text, prompt_ids, [completion], finished, cached, new_ids, "", new_logprobs,
                              metrics, choices_running, completion_tokens, prompt_logprobs)
+
+    def _forget(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+        self.outputs.discard(request_id)
 
     def _core_gone(self) -> None:
         """The core's socket closed: it exited (or was killed). Everything open fails now."""
@@ -316,4 +347,6 @@ class CoreClient(EngineClient):
             future.set_exception(exc)
         self._calls.clear()
         self._prompts.clear()
+        if self.outputs is not None:
+            self.outputs.clear()
         self._fail_all(exc)

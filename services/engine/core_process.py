@@ -1,8 +1,9 @@
 """The engine core in a process of its own (engine argument engine_core=process), as vLLM v1:
-it owns the LLMEngine and runs the step loop (schedule, forward, sample, and the incremental
-detokenizer with its stop strings, which decide when a sequence ends and frees its blocks); the
-worker process (services.engine.core_client.CoreClient) keeps NATS, tokenization and input
-validation, and builds each RequestOutput from what the core sends.
+it owns the LLMEngine and runs the step loop (schedule, forward, sample), handing out token ids;
+the worker process (services.engine.core_client.CoreClient) keeps NATS, tokenization, input
+validation, detokenization and stop strings (services.engine.output_processor), and builds each
+RequestOutput from what the core sends. A choice a stop string ended there is stopped here by a
+"stop" command, so it may run one step more than it needed (its extra tokens are dropped there).
 
 Transport: one Unix socketpair, length-prefixed pickled messages (multiprocessing.connection
 framing). Chosen over ZMQ for one message per step: a message is one write and one read syscall,
@@ -13,15 +14,16 @@ is safe here (nothing else can reach an unnamed socketpair).
 
 Core -> worker, one message per step:
   ("step", outputs, kv_seq, kv_events | None, StepTimings | None, stats)
-     outputs: one StepOutput tuple per request output (new token ids, text delta, logprobs,
-     finish reason; the completion, metrics and usage when a choice ends)
+     outputs: one StepOutput tuple per request output (new token ids, logprobs, finish reason;
+     the completion, metrics and usage when a choice ends; the metrics every step for a request
+     with stop strings, which the worker may end first)
   ("failed", request_ids, message)   a step failed; those requests were aborted
   ("rejected", request_id, error)    add refused on the core (an adapter that cannot be read)
   ("snapshot", call_id, kv_seq, kv_events, block_hashes)
   ("reply", call_id, ok, value | error)
   ("ready", EngineLimits, stats, lora_enabled) / ("error", exception) at start; ("dead", message)
 Worker -> core: ("init", model_dir, EngineArgs, log_format, log_level, log_context) first, then
-  ("add", rid, text, ids, params, arrival, resumed, lora_name), ("abort", rid),
+  ("add", rid, text, ids, params, arrival, resumed, lora_name), ("abort", rid), ("stop", rid, index),
   ("snapshot", call_id), ("compile", spec), ("call", call_id, method, args), ("shutdown",).
 """
 
@@ -69,6 +71,7 @@ class EngineCore:
         self._calls = ThreadPoolExecutor(1, "core-calls")  # adapter registry reads, in order
         self._compiles = ThreadPoolExecutor(1, "core-compile")  # grammars, before their request arrives
         self._prompt_logprobs_sent: set[str] = set()
+        self._stop_strings: set[str] = set()  # open requests with stop strings
 
     def send(self, message) -> None:
         data = dumps(message)
@@ -87,11 +90,15 @@ class EngineCore:
                 continue
             outputs, failed, exc = guard.step()
             if exc is not None:
+                for rid in failed:
+                    self._forget(rid)
                 self.send(("failed", failed, f"engine step failed: {exc.__class__.__name__}"))
                 continue
-            seq, events = self.number(engine.drain_kv_events())
-            self.send(("step", [self.step_output(out) for out in outputs], seq, events or None, engine.last_step,
-                       engine.stats()))
+            self.send_step([self.step_output(out) for out in outputs], engine.last_step)
+
+    def send_step(self, outputs: list[tuple], timings) -> None:
+        seq, events = self.number(self.engine.drain_kv_events())
+        self.send(("step", outputs, seq, events or None, timings, self.engine.stats()))
 
     def number(self, events):
         if events:
@@ -106,14 +113,19 @@ class EngineCore:
         if out.prompt_logprobs is not None and out.request_id not in self._prompt_logprobs_sent:
             self._prompt_logprobs_sent.add(out.request_id)
             prompt_logprobs = out.prompt_logprobs
+        metrics = out.metrics if out.request_id in self._stop_strings else None
         if out.finished:
-            self._prompt_logprobs_sent.discard(out.request_id)
+            self._forget(out.request_id)
         ended = None
         if completion.finish_reason is not None:
-            ended = (completion.text, completion.token_ids, completion.logprobs, out.num_cached_tokens,
-                     out.num_completion_tokens, out.metrics)
-        return (out.request_id, completion.index, out.new_token_ids, out.text_delta, out.new_logprobs,
-                completion.finish_reason, out.choices_running, out.finished, prompt_logprobs, ended)
+            ended = (completion.token_ids, completion.logprobs, out.num_cached_tokens, out.num_completion_tokens,
+                     out.metrics)
+        return (out.request_id, completion.index, out.new_token_ids, out.new_logprobs, completion.finish_reason,
+                out.choices_running, out.finished, prompt_logprobs, ended, metrics)
+
+    def _forget(self, request_id: str) -> None:
+        self._prompt_logprobs_sent.discard(request_id)
+        self._stop_strings.discard(request_id)
 
     # ---- commands ---------------------------------------------------------------------------
     def apply(self, command: tuple) -> bool:
@@ -125,10 +137,18 @@ class EngineCore:
                 if lora_name is not None:
                     engine.acquire_lora(lora_name)
                 engine.add_processed(rid, text, ids, params, arrival, resumed, lora_name)
+                if params.stop:
+                    self._stop_strings.add(rid)
             except InvalidRequestError as exc:  # checked by the worker already: a race with an unload
                 self.send(("rejected", rid, exc))
         elif kind == "abort":
             engine.abort_request(command[1])
+        elif kind == "stop":
+            engine.stop_choice(command[1], command[2])
+            if command[1] not in engine.requests:  # its last choice: no output will say it finished
+                self._forget(command[1])
+            if not engine.has_unfinished_requests():  # no step will follow: the figures say it is idle now
+                self.send_step([], None)
         elif kind == "snapshot":
             seq, events = self.number(engine.drain_kv_events())
             self.send(("snapshot", command[1], seq, events or None, engine.block_manager.cached_block_hashes()))
@@ -168,7 +188,7 @@ def main(argv=None) -> int:
     from services.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(model_dir, args)
+        engine = LLMEngine(model_dir, args, detokenize=False)
     except BaseException as exc:
         log.exception("engine core failed to start")
         conn.send_bytes(dumps(("error", portable(exc))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.engine import logits_processors
 from services.engine.model_config import ModelConfig
+from services.engine import sampling_params
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -42,8 +43,12 @@ class InputProcessor:
                 f"prompt of {len(ids)} tokens leaves no room to generate: this model's maximum context "
                 f"length is {self.max_model_len} tokens", "prompt")
         params = params.resolved(self.generation_defaults)
-        params.validate(self.config.vocab_size)
-        params = logits_processors.resolve(params, self.tokenizer, self.config.eos_token_ids, self.config.vocab_size)
+        sampling_params.check(params, self.config.vocab_size)
         if params.structured is not None:
             self.structured.compile(params.structured)  # InvalidRequestError if it cannot be
         return text, ids, params
+
+    def logits_processors(self, params: SamplingParams) -> logits_processors.ResolvedProcessors | None:
+        """A processed request's bad_words as token ids and the ids min_tokens masks, for its
+        Sequence (the engine's; never on the parameters, which are the wire's)."""
+        return logits_processors.resolve(params, self.tokenizer, self.config.eos_token_ids, self.config.vocab_size)

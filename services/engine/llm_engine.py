@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
+
+import msgspec
 
 from services.engine.block_manager import BlockManager, KvEvents
 from services.engine.choices import ChoiceGroup, check_resumable, fork
 from services.engine.config import EngineArgs
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.input_processor import InputProcessor
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import STEP_PHASES, ModelRunner, StepTimings
+from services.engine.output_processor import OutputProcessor
 from services.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import Scheduler
@@ -28,7 +29,12 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, streaming: bool = True):
+    """The step loop. detokenize=True (LLM, the thread core): step() returns text too, made
+    by its own OutputProcessor right after each step; False (the core process): token ids only,
+    the worker's OutputProcessor makes the text and ends choices on stop strings (stop_choice)."""
+
+    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, streaming: bool = True,
+                 detokenize: bool = True):
         self.args = args or EngineArgs()
         self.model_config = ModelConfig.load(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -56,14 +62,14 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
                                      self.model_config.generation_defaults(self.args.generation_config),
                                      self.structured)
-        # streaming=False (offline use): step() returns only finished requests, and text is decoded
+        # streaming=False (offline use): step() returns only ended choices, and text is decoded
         # once at the end unless stop strings need it incrementally.
         self.streaming = streaming
+        self.outputs = OutputProcessor(self.tokenizer.backend_tokenizer, streaming) if detokenize else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.step_timings = StepTimings()  # every step so far, phase by phase
         self.last_step: StepTimings | None = None
-        self._detok_s = 0.0  # detokenization time within the current step
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._aborted: list[RequestOutput] = []
@@ -118,17 +124,17 @@ class LLMEngine:
             raise
         prompt_ids = ids[:len(ids) - generated]
         if generated and params.prompt_logprobs is not None:  # delivered by the stream's first leg
-            params = dataclasses.replace(params, prompt_logprobs=None)
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+        processors = self.inputs.logits_processors(params)  # (its choices share them)
 
         def new_seq(params: SamplingParams) -> Sequence:
-            detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_ids, params.stop,
-                                           params.skip_special_tokens, params.include_stop_str_in_output)
-            seq = Sequence(request_id, prompt_ids, params, detok, text, arrival_time)
+            seq = Sequence(request_id, prompt_ids, params, text, arrival_time)
             if params.structured is not None:  # compiled already (InputProcessor): a cache hit
                 # Each choice its own matcher; a resumed stream's in the state its delivered tokens left it.
                 seq.grammar = self.structured.matcher(params.structured, ids[len(prompt_ids):])
             if lora_name is not None:
                 seq.lora_name, seq.hash_root = lora_name, adapter_root_hash(lora_name)
+            seq.processors = processors
             return seq
 
         try:
@@ -140,22 +146,21 @@ class LLMEngine:
                 self.lora.release(lora_name)
             raise
         if generated:
-            self._resume(seq, ids[len(prompt_ids):], text_chars)
+            self._resume(seq, ids[len(prompt_ids):])
+        if self.outputs is not None:  # the text the caller has not received yet is still to come
+            self.outputs.add(request_id, prompt_ids, params, ids[len(prompt_ids):], text_chars)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def _resume(self, seq: Sequence, generated: list[int], text_chars: int) -> None:
+    @staticmethod
+    def _resume(seq: Sequence, generated: list[int]) -> None:
         """Make seq what it was on the replica that lost it: the same output tokens (so penalties,
-        max_tokens and usage count them), its seeded draws continuing at the next position, and the text
-        the caller has not received yet (held back at a stop-string or character boundary) still
-        to come. The re-prefill recomputes their KV like a preempted sequence's."""
+        max_tokens and usage count them) and its seeded draws continuing at the next position.
+        The re-prefill recomputes their KV like a preempted sequence's."""
         seq.token_ids.extend(generated)
         seq.num_emitted_tokens = len(generated)
         seq.logprobs = [{} for _ in generated]  # keeps later tokens' logprobs aligned; never emitted
         # Seeded draws are keyed on (seed, output position): nothing to replay.
-        if seq.params.stop or self.streaming:
-            seq.detokenizer.append(seq.token_ids)
-            seq.detokenizer.sent_offset = text_chars  # may exceed output_text while a character is incomplete
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""
@@ -170,7 +175,22 @@ class LLMEngine:
                 self._aborted.append(self._output(choice))
         return True
 
+    def stop_choice(self, request_id: str, index: int = 0) -> None:
+        """End one choice that a stop string ended in the OutputProcessor (which made its final
+        output): its blocks are freed now; a choice already ended is left as it is."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        choice = seq.group.seqs[index] if seq.group is not None else seq
+        if not choice.is_finished:
+            if choice.group is not None:
+                choice.group.final_outputs += 1  # made by the OutputProcessor
+            self._finish_request(choice, "stop", time.monotonic())
+
     def discard_pending_outputs(self) -> None:
+        if self.outputs is not None:
+            for out in self._aborted:
+                self.outputs.discard(out.request_id)
         self._aborted = []
 
     def has_unfinished_requests(self) -> bool:
@@ -181,6 +201,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One batch through the model. Its phases go to `last_step` (None for a step with no
         batch) and add up into `step_timings`."""
+        outputs = self._step()
+        if self.outputs is None:
+            return outputs
+        processor = self.outputs
+        processor.busy_s = 0.0
+        # Offline, only ended choices (a stop string's request streams here to be checked).
+        outputs = [p for p in map(processor.process, outputs)
+                   if p is not None and (self.streaming or p.outputs[0].finish_reason is not None)]
+        for request_id, index in processor.take_stopped():
+            self.stop_choice(request_id, index)  # before the next step: it never runs again
+        if self.last_step is not None:
+            for timings in (self.last_step, self.step_timings):
+                timings.detokenize += processor.busy_s
+                timings.wall += processor.busy_s
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self.last_step = None
         outputs, self._aborted = self._aborted, []
@@ -203,7 +240,6 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         sampled_seqs, result = self.runner.execute(batch, timings)
         executed = time.perf_counter()
-        self._detok_s = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
@@ -225,13 +261,12 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.verified(batch)
         for seq in dict.fromkeys(sampled_seqs):  # a sequence may have had several tokens
-            if self.streaming or seq.is_finished:
+            if self.streaming or seq.is_finished or seq.params.stop:  # stop strings: checked by self.outputs
                 outputs.append(self._output(seq))
         self.num_steps += 1
         self.num_generated_tokens += generated
         end = time.perf_counter()
-        timings.detokenize = self._detok_s
-        timings.bookkeeping = end - executed - self._detok_s
+        timings.bookkeeping = end - executed
         timings.wall = end - start
         named = (timings.schedule + timings.propose + timings.prepare + timings.forward + timings.sample
                  + timings.detokenize + timings.bookkeeping)
@@ -251,13 +286,7 @@ class LLMEngine:
             seq.logprobs.append({**top, token: chosen})
         params = seq.params
         reason = None
-        if params.stop or self.streaming:
-            t = time.perf_counter()
-            stopped = seq.detokenizer.append(seq.token_ids, seq.num_output_tokens >= params.min_tokens)
-            self._detok_s += time.perf_counter() - t
-            if stopped:
-                reason = "stop"
-        if reason is None and seq.grammar is not None:
+        if seq.grammar is not None:
             reason = advance_grammar(seq, token)  # "stop" once the grammar has ended
         if reason is None:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -290,26 +319,18 @@ class LLMEngine:
         new_logprobs = [(t, lp[t], lp) for t, lp in zip(new_ids, seq.logprobs[seq.num_emitted_tokens:])] \
             if seq.params.logprobs is not None else []
         seq.num_emitted_tokens = seq.num_output_tokens
-        t = time.perf_counter()
-        if finished and not (seq.params.stop or self.streaming):
-            seq.detokenizer.output_text = self.tokenizer.backend_tokenizer.decode(
-                seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        elif finished:  # text held back for an incomplete character: as the tokenizer decodes it
-            seq.detokenizer.flush(seq.token_ids)
-        delta = seq.detokenizer.take_delta(finished)
-        self._detok_s += time.perf_counter() - t
         group, choices_running = seq.group, 0
         if group is not None:
             group.final_outputs += finished
             choices_running = group.n - group.final_outputs
-        completion = CompletionOutput(seq.index, seq.detokenizer.output_text if finished or self.streaming else "",
-                                      seq.output_token_ids, seq.finish_reason,
-                                      list(seq.logprobs) if seq.params.logprobs is not None else None)
+        # The whole completion once it ended (the text is an OutputProcessor's to make).
+        completion = CompletionOutput(seq.index, "", seq.output_token_ids if finished else [], seq.finish_reason,
+                                      list(seq.logprobs) if finished and seq.params.logprobs is not None else None)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
                                  seq.num_draft_tokens, seq.num_accepted_tokens)
         first = group.seqs[0] if group is not None else seq  # the prompt's, counted once
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             finished and not choices_running, max(first.num_cached_tokens, 0), new_ids, delta,
+                             finished and not choices_running, max(first.num_cached_tokens, 0), new_ids, "",
                              new_logprobs, metrics, choices_running,
                              group.num_output_tokens() if group is not None else seq.num_output_tokens,
                              list(first.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)

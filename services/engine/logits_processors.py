@@ -1,7 +1,8 @@
 """Per-request logits processors: logit_bias, allowed_token_ids, bad_words and min_tokens.
 
-`resolve(params, tokenizer, eos_ids)` runs once when a request is added (InputProcessor): it
-tokenizes bad_words as vLLM does and fixes the ids min_tokens masks. `prepare(seqs, ...)` runs
+`resolve(params, tokenizer, eos_ids)` runs once when a request is added (LLMEngine.add_processed,
+through InputProcessor.logits_processors): it tokenizes bad_words as vLLM does and fixes the ids
+min_tokens masks, kept on the request's Sequence (`seq.processors`). `prepare(seqs, ...)` runs
 on the host in the sampler's `prepare`, each step, only over the rows that have one of these
 fields (None when no row has: nothing is built and nothing runs for the others); `apply` runs
 in the sampler's `sample` and `probs` on the logits' device, in place on those rows' entries
@@ -18,7 +19,6 @@ speculate like any other.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,24 +44,34 @@ def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
     return out
 
 
-def resolve(params: SamplingParams, tokenizer, eos_token_ids: list[int], vocab_size: int) -> SamplingParams:
-    """params with the fields the sampler reads filled in (a copy; params itself unchanged when
-    there is nothing to fill): bad words as token ids (a word whose ids fall outside the model's
-    vocabulary cannot be generated anyway), and the ids min_tokens masks (the model's EOS ids
-    unless ignore_eos, and stop_token_ids)."""
+@dataclass(frozen=True)
+class ResolvedProcessors:
+    """What `resolve` derives from a request's parameters for the sampler: kept on its Sequence
+    (shared by its choices), never on the parameters, which are the wire's."""
+
+    bad_words_token_ids: list[list[int]]  # each bad word's ids, as bad_words_token_ids tokenizes it
+    min_tokens_masked_ids: list[int]  # masked while fewer than min_tokens were generated
+
+
+def resolve(params: SamplingParams, tokenizer, eos_token_ids: list[int], vocab_size: int
+            ) -> ResolvedProcessors | None:
+    """params' bad words as token ids (a word whose ids fall outside the model's vocabulary
+    cannot be generated anyway), and the ids min_tokens masks (the model's EOS ids unless
+    ignore_eos, and stop_token_ids); None when it has neither field."""
     if not params.bad_words and params.min_tokens <= 0:
-        return params
+        return None
     words = [w for w in bad_words_token_ids(params.bad_words or [], tokenizer) if max(w) < vocab_size]
     masked = []
     if params.min_tokens > 0:
         eos = [] if params.ignore_eos else [t for t in eos_token_ids if 0 <= t < vocab_size]
         masked = sorted(set(eos) | set(params.stop_token_ids))
-    return dataclasses.replace(params, bad_words_token_ids=words, min_tokens_masked_ids=masked)
+    return ResolvedProcessors(words, masked)
 
 
-def needs_processing(params: SamplingParams) -> bool:
-    return bool(params.logit_bias or params.allowed_token_ids or params.bad_words_token_ids
-                or (params.min_tokens > 0 and params.min_tokens_masked_ids))
+def needs_processing(seq) -> bool:
+    p, resolved = seq.params, seq.processors
+    return bool(p.logit_bias or p.allowed_token_ids or (resolved is not None and (
+        resolved.bad_words_token_ids or (p.min_tokens > 0 and resolved.min_tokens_masked_ids))))
 
 
 @dataclass
@@ -91,7 +101,7 @@ def _banned_by_bad_words(seq, words: list[list[int]]) -> list[int]:
 
 def prepare(seqs: list, device: torch.device) -> LogitsProcessing | None:
     """The step's processors over the rows that need them; None when no row does."""
-    rows = [i for i, s in enumerate(seqs) if needs_processing(s.params)]
+    rows = [i for i, s in enumerate(seqs) if needs_processing(s)]
     if not rows:
         return None
     proc = LogitsProcessing()
@@ -103,14 +113,14 @@ def prepare(seqs: list, device: torch.device) -> LogitsProcessing | None:
     bias_values: list[float] = []
     for i in rows:
         seq = seqs[i]
-        p = seq.params
+        p, resolved = seq.params, seq.processors
         if p.allowed_token_ids:
             allowed.append((i, p.allowed_token_ids))
         banned = []
-        if p.bad_words_token_ids:
-            banned += _banned_by_bad_words(seq, p.bad_words_token_ids)
-        if p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens:
-            banned += p.min_tokens_masked_ids
+        if resolved is not None and resolved.bad_words_token_ids:
+            banned += _banned_by_bad_words(seq, resolved.bad_words_token_ids)
+        if resolved is not None and p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens:
+            banned += resolved.min_tokens_masked_ids
         banned_rows += [i] * len(banned)
         banned_ids += banned
         if p.logit_bias:

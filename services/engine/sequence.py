@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.sampling_params import SamplingParams
 from shared.block_hash import ROOT_HASH
 
@@ -20,14 +19,12 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, prompt: str | None = None,
-                 arrival_time: float | None = None):
+                 prompt: str | None = None, arrival_time: float | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
 
@@ -52,6 +49,7 @@ class Sequence:
         self.spec_state = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.processors = None  # logits_processors.ResolvedProcessors: bad_words / min_tokens ids, or None
         self.grammar = None  # structured outputs: its xgrammar GrammarMatcher (services.engine.structured)
         # Choices (services.engine.choices): which choice of its request it is, and the request's
         # ChoiceGroup when n > 1 (None: a request of one choice).

@@ -38,7 +38,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.lora import LoRAAdapterError
 from services.engine.metrics import EngineMetrics
 from services.engine.outbox import Outbox
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sampling_params import InvalidRequestError
 from shared import adapters, http, protocol, registry
 from shared.bus import Bus, NatsAuth
 from shared.logging import get_logger
@@ -68,18 +68,6 @@ class WorkerConfig:
     region: str = ""  # where it runs, and the capacity pool that started it (reported in heartbeats)
     pool: str = ""
     nats_auth: NatsAuth = field(default_factory=NatsAuth)
-
-
-def sampling_params(spec: protocol.SamplingSpec) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-        min_p=spec.min_p, seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
-        ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
-        structured=spec.structured, n=spec.n, prompt_logprobs=spec.prompt_logprobs,
-        logit_bias=spec.logit_bias, allowed_token_ids=spec.allowed_token_ids, bad_words=spec.bad_words,
-        min_tokens=spec.min_tokens, skip_special_tokens=spec.skip_special_tokens,
-        include_stop_str_in_output=spec.include_stop_str_in_output)
 
 
 class EngineWorker:
@@ -233,7 +221,7 @@ class EngineWorker:
         sink = ChunkSink(self._stream_context, req, arrival)
         try:
             resumed = (req.resume.generated, req.resume.text_chars) if req.resume is not None else (0, 0)
-            self.engine.add_request(req.request_id, prompt, sampling_params(req.sampling), arrival, sink=sink,
+            self.engine.add_request(req.request_id, prompt, req.sampling, arrival, sink=sink,
                                     resumed=resumed, lora_name=req.lora)
         except InvalidRequestError as exc:
             await self._refuse(req, raw, ErrorCode.BAD_REQUEST, str(exc))

@@ -60,10 +60,11 @@ class AdapterCatalog:
                                 f"name it as '<model>:{name}'", "invalid_request_error", "model", "model_not_found")
         return (owners[0], name) if owners else None
 
-    def model_entries(self) -> list[dict]:
-        """/v1/models entries of every adapter: id, parent (the base model) and root (its path)."""
+    def model_entries(self, max_model_len_of) -> list[dict]:
+        """/v1/models entries of every adapter: id, parent (the base model), root (its path) and
+        max_model_len: the base's, max_model_len_of(served model) (what its replicas advertise)."""
         served = self.served()
-        return [model_card(name, served[model].created, a.path, model, served[model].max_model_len)
+        return [model_card(name, served[model].created, a.path, model, max_model_len_of(served[model]))
                 for model, entries in sorted(self.by_model.items()) if model in served
                 for name, a in sorted(entries.items())]
 

@@ -12,7 +12,7 @@ from services.gateway.choices import Choices, parse_choices, parse_prompts
 from services.gateway.prompt_logprobs import PromptOptions
 from services.gateway.structured_outputs import parse_structured
 from shared.layers import by_component, layer_timings
-from shared.protocol import HEADER_DEADLINE, SamplingSpec, TokenChunk, Usage
+from shared.protocol import HEADER_DEADLINE, SamplingParams, TokenChunk, Usage
 from shared.sampling_ranges import MAX_STOP_STRINGS, RANGES, Range, max_tokens_range
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class ParsedRequest:
     model: str
     prompt_text: str | None  # completions with a text prompt, or the rendered chat template
     prompt_token_ids: list[int] | None
-    sampling: SamplingSpec
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-n to return (None: no logprobs)
@@ -146,7 +146,7 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> SamplingSpec:
+def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> SamplingParams:
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     prefill_only = prompt_logprobs.min_max_tokens(body) == 0
     max_tokens = ranged(body, param, max_tokens_default, max_tokens_range(prefill_only))
@@ -156,7 +156,7 @@ def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> Samp
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     # Unset temperature, top_p, top_k, min_p and repetition_penalty stay unset: the engine fills
     # them in from the model's generation config.
-    return SamplingSpec(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=ranged(body, "temperature"),
         top_p=ranged(body, "top_p"),

@@ -11,7 +11,7 @@
 - `text_offset`: each token's character offset in the choice's returned text; a token's text is
   what it decodes to on its own with special tokens skipped (a BOS token takes no characters).
 
-Both become one wire field, `SamplingSpec.prompt_logprobs` (the larger n of the two asked).
+Both become one wire field, `SamplingParams.prompt_logprobs` (the larger n of the two asked).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from shared.protocol import SamplingSpec, TokenChunk, TokenLogprob
+from shared.protocol import SamplingParams, TokenChunk, TokenLogprob
 from shared.sampling_ranges import RANGES
 
 
@@ -39,7 +39,7 @@ def min_max_tokens(body: dict) -> int:
     return 0 if body.get("echo") is True or body.get("prompt_logprobs") is not None else 1
 
 
-def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingSpec, bad) -> PromptOptions:
+def parse(body: dict, chat: bool, logprobs: int | None, sampling: SamplingParams, bad) -> PromptOptions:
     """The request's prompt options; sets `sampling.prompt_logprobs` for what they need. `bad`
     builds the 400 (openai_api.bad). max_tokens 0 got past _sampling only with echo or
     prompt_logprobs (min_max_tokens)."""

@@ -1,5 +1,5 @@
 """Request fields at the gateway (pure, no I/O): the table of every field each endpoint knows,
-and the parsing of the logits-processor and text fields (vLLM's names) into SamplingSpec.
+and the parsing of the logits-processor and text fields (vLLM's names) into SamplingParams.
 
 The rule: a known field is honoured or refused with a 400 naming it. Any other field is ignored,
 as vLLM does, and reported by `unknown_fields` so the service counts it in a metric and logs it
@@ -95,7 +95,7 @@ def _bad_words(body: dict) -> list[str] | None:
 
 
 def sampling_fields(body: dict) -> dict[str, Any]:
-    """The SamplingSpec fields of this module, parsed from a request body."""
+    """The SamplingParams fields of this module, parsed from a request body."""
     return {"logit_bias": _logit_bias(body), "allowed_token_ids": _allowed_token_ids(body),
             "bad_words": _bad_words(body), "min_tokens": oa.ranged(body, "min_tokens", 0),
             "skip_special_tokens": oa.flag(body, "skip_special_tokens", True),

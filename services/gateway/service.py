@@ -49,8 +49,9 @@ from shared.http_limits import ClientGone, ConnectionGuard, HttpLimits
 from shared.layers import COMPONENT, LAYER_NAMES
 from shared.logging import get_logger
 from shared.metrics_history import MetricsHistory, metrics_response
-from shared.protocol import (Cancel, ErrorCode, ErrorInfo, GatewayStats, GenerateAck, GenerateRequest, Heartbeat,
-                             KeyRevoked, LatencySample, RevisionOutcomes, SchedulerStats, TokenChunk, TokenChunkBatch)
+from shared.protocol import (Cancel, ErrorCode, ErrorInfo, ErrorReply, GatewayStats, GenerateAck, GenerateRequest,
+                             Heartbeat, KeyRevoked, LatencySample, RevisionOutcomes, SchedulerStats, TokenChunk,
+                             TokenChunkBatch)
 from shared.store import connect_redis
 
 log = get_logger()
@@ -490,7 +491,8 @@ class GatewayService:
                                        **replicas[m.name]) for m in self.models.values()] + [
             utility_api.model_card(alias, self.models[target].created, str(self.models[target].path), target,
                                    self.model_limits(self.models[target]).max_model_len)
-            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries()
+            for alias, target in self.aliases.items() if target in self.models] + self.adapters.model_entries(
+            lambda m: self.model_limits(m).max_model_len)
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{name} (the SDK's models.retrieve)."""
@@ -712,7 +714,7 @@ class GatewayService:
             for flow in flows:
                 await self._close_flow(flow)
 
-    def _open_flow(self, key: ApiKey, model: ServedModel, ids: list[int], sampling: protocol.SamplingSpec,
+    def _open_flow(self, key: ApiKey, model: ServedModel, ids: list[int], sampling: protocol.SamplingParams,
                    deadline: float, timeout: float, arrival: float, lora: str | None, stream: bool) -> Flow:
         rid = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid)
@@ -766,8 +768,12 @@ class GatewayService:
         try:
             ack = protocol.decode(GenerateAck, reply.data)
         except protocol.ProtocolError as exc:
-            raise ApiError(503, f"the scheduler answered unexpectedly: {exc}", "overloaded_error", None,
-                           "unavailable", retry_after=1.0) from None
+            try:  # the scheduler refused a message it could not take (shared.bus's ErrorReply)
+                refused = protocol.decode(ErrorReply, reply.data).error
+            except protocol.ProtocolError:
+                raise ApiError(503, f"the scheduler answered unexpectedly: {exc}", "overloaded_error", None,
+                               "unavailable", retry_after=1.0) from None
+            raise oa.from_engine_error(refused.code, refused.message, refused.retry_after_s) from None
         if not ack.accepted:
             error = ack.error or protocol.ErrorInfo(code=ErrorCode.UNAVAILABLE, message="refused by the scheduler")
             raise oa.from_engine_error(error.code, error.message, error.retry_after_s)

@@ -2,7 +2,7 @@
 the messages that carry calls and their results. Pure: no I/O.
 
 `tool_choice` `required` and a named function are enforced by structured output (a JSON schema
-built from the functions' parameters, on `SamplingSpec.structured`); `auto` is read from the
+built from the functions' parameters, on `SamplingParams.structured`); `auto` is read from the
 model's text by the deployment's parser (services.gateway.tool_parsers); `none` leaves the
 reply as plain content. Tools are rendered by the model's chat template in every case, as vLLM
 does.
@@ -20,7 +20,7 @@ from jsonschema.exceptions import SchemaError
 
 from services.gateway.openai_api import bad
 from services.gateway.tool_parsers import NamedCall, RequiredCalls, ToolParser, assemble, delta, parser_class
-from shared.protocol import SamplingSpec, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 ANY_OBJECT = {"type": "object"}
@@ -46,7 +46,7 @@ class ToolRequest:
         return None
 
 
-def parse_tools(body: dict, sampling: SamplingSpec) -> ToolRequest | None:
+def parse_tools(body: dict, sampling: SamplingParams) -> ToolRequest | None:
     """The request's tools (None if it has none); `required` and named choice constrain
     `sampling` with their schema."""
     tools, choice = body.get("tools"), body.get("tool_choice")

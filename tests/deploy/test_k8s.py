@@ -137,6 +137,15 @@ def test_engine_is_the_deployment_the_scaler_scales(variant, objects):
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
+def test_engine_threads_are_the_pods_cpu_share(variant, objects):
+    """torch's threads come from the pod's CPU request, not the node's core count."""
+    _, container = engine_of(objects)
+    env = {e["name"]: e for e in container["env"]}
+    source = env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+    assert source["resource"] == "requests.cpu" and str(source["divisor"]) == "1"
+    assert int(container["resources"]["requests"]["cpu"]) >= 1
+
+
 def test_engine_probes_and_drain(variant, objects):
     deployment, container = engine_of(objects)
     for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -67,6 +67,38 @@ async def test_streams_match_the_offline_api(engine, tiny_model_dir):
     assert_idle(engine)
 
 
+async def test_stop_strings_end_streams_where_the_offline_api_does_and_free_their_blocks(engine, tiny_model_dir):
+    """Stop strings are checked where the text is made (the worker, beside a core process): the
+    choice ends at the token that completes one, its text cut there, exactly once, whatever the
+    core ran on; and the core frees the sequence."""
+    llm = LLM(tiny_model_dir, num_kv_blocks=256)
+    prompt = "The queue holds"
+    free_text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = free_text[12:16]  # met mid-stream, before max_tokens
+    assert stop.strip() and stop in free_text
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+              SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=40, ignore_eos=True, stop=[" ", "e"])]
+    offline = llm.generate([prompt] * len(params), params)
+    streams = [engine.add_request(f"s{i}", prompt, sp) for i, sp in enumerate(params)]
+    results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    assert offline[0].outputs[0].text == free_text[:free_text.index(stop)]
+    assert offline[1].outputs[0].text == free_text[:free_text.index(stop) + len(stop)]
+    for outs, ref in zip(results, offline):
+        assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+        for choice in ref.outputs:
+            mine = [o for o in outs if o.outputs[0].index == choice.index]
+            assert [t for o in mine for t in o.new_token_ids] == choice.token_ids
+            assert "".join(o.text_delta for o in mine) == choice.text
+            assert mine[-1].outputs[0].finish_reason == choice.finish_reason == "stop"
+            assert mine[-1].outputs[0].text == choice.text
+        assert outs[-1].num_completion_tokens == ref.num_completion_tokens == sum(len(c.token_ids) for c in ref.outputs)
+    await asyncio.sleep(0.2)  # the core applies the stops
+    assert_idle(engine)
+    # The text is made off the step loop beside a core process, and on it in-process.
+    assert (engine.stats()["step_detokenize_s"] == 0.0) == isinstance(engine, CoreClient)
+
+
 async def test_abort_mid_stream_frees_blocks_and_spares_the_others(engine):
     long = engine.add_request("long", "A long story " * 20, SamplingParams(max_tokens=400, ignore_eos=True))
     other = engine.add_request("other", "Short one", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 from services.engine.block_manager import BlockManager
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
@@ -13,13 +12,8 @@ from shared.block_hash import hash_block, prompt_block_hashes
 BS = 4
 
 
-class NoTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
 def seq(rid: str, tokens: list[int]) -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(), IncrementalDetokenizer(NoTokenizer(), tokens, []))
+    return Sequence(rid, tokens, SamplingParams())
 
 
 def compute(bm: BlockManager, s: Sequence) -> None:

@@ -127,7 +127,7 @@ def test_choices_survive_preemption_and_blocks_run_out(tiny_model_dir):
 
 def test_block_manager_fork_without_a_free_block_changes_nothing():
     bm = BlockManager(num_blocks=2, block_size=4)
-    parent, child = (Sequence(r, list(range(7)), SamplingParams(), None) for r in ("p", "c"))
+    parent, child = (Sequence(r, list(range(7)), SamplingParams()) for r in ("p", "c"))
     assert bm.admit(parent, 7, [])
     parent.num_computed_tokens = 7
     assert bm.fork(parent, child, 6) is False  # 6 tokens: 1 full block shared, 2 to copy: no block free

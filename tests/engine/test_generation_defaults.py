@@ -60,7 +60,7 @@ def test_the_engine_argument_turns_defaults_off_or_reads_another_folder(model_wi
 
 
 def test_the_wire_leaves_unset_fields_unset():
-    spec = protocol.SamplingSpec(max_tokens=8)
-    decoded = protocol.SamplingSpec.from_dict(spec.to_dict())
+    spec = protocol.SamplingParams(max_tokens=8)
+    decoded = protocol.SamplingParams.from_dict(spec.to_dict())
     assert (decoded.temperature, decoded.top_p, decoded.top_k, decoded.min_p, decoded.repetition_penalty) == (None,) * 5
     assert "temperature" not in spec.to_dict()

@@ -16,7 +16,7 @@ from services.engine.sequence import Sequence
 def rows(params: list[SamplingParams], prompt=(1, 2, 3), outputs=()) -> list[Sequence]:
     seqs = []
     for i, p in enumerate(params):
-        seq = Sequence(f"r{i}", list(prompt), p.resolved(), None)
+        seq = Sequence(f"r{i}", list(prompt), p.resolved())
         seq.token_ids.extend(outputs)
         seqs.append(seq)
     return seqs

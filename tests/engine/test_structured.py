@@ -235,10 +235,10 @@ def test_the_torch_mask_path_equals_the_xgrammar_kernel(llm):
 
 
 def test_the_spec_on_the_wire():
-    from shared.protocol import GenerateRequest, ProtocolError, SamplingSpec, decode, encode
+    from shared.protocol import GenerateRequest, ProtocolError, SamplingParams, decode, encode
 
     req = GenerateRequest("r", "m", "reply", prompt="x",
-                          sampling=SamplingSpec(structured=StructuredSpec(choice=["a", "b"])))
+                          sampling=SamplingParams(structured=StructuredSpec(choice=["a", "b"])))
     back = decode(GenerateRequest, encode(req))
     assert back.sampling.structured == StructuredSpec(choice=["a", "b"]) and back.sampling.structured.kind == "choice"
     for bad in ({"regex": "a", "choice": ["a"]}, {}, {"choice": []}, {"json_object": False}):

@@ -257,7 +257,7 @@ async def test_the_bus_refuses_max_tokens_past_the_context(stack):
     bus = await Bus.connect(stack.infra.nats_url_as("admin"), "bus-client")
     try:
         req = protocol.GenerateRequest(request_id=uuid.uuid4().hex, model=MODEL, reply_to=f"_INBOX.admin.{uuid.uuid4().hex}",
-                                       prompt_token_ids=[1, 2, 3], sampling=protocol.SamplingSpec(max_tokens=10**9))
+                                       prompt_token_ids=[1, 2, 3], sampling=protocol.SamplingParams(max_tokens=10**9))
         chunks = await stream_request(bus, protocol.GENERATE, req, timeout=20)
     finally:
         await bus.close()

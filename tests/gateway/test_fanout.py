@@ -41,6 +41,7 @@ class Wire:
     def __init__(self, scheduler: Bus, engine: Bus):
         self.scheduler, self.engine = scheduler, engine
         self.requests: asyncio.Queue[GenerateRequest] = asyncio.Queue()
+        self.refusal: str | None = None  # set: the scheduler refuses requests as malformed (ErrorReply)
 
     @classmethod
     async def connect(cls, infra) -> "Wire":
@@ -50,6 +51,9 @@ class Wire:
 
         async def on_generate(msg) -> None:
             req = protocol.decode(GenerateRequest, msg.data)
+            if wire.refusal is not None:  # as shared.bus answers a message its handler refuses
+                await scheduler.reply_error(msg, protocol.ErrorCode.BAD_REQUEST, wire.refusal, req.request_id)
+                return
             await msg.respond(protocol.encode(GenerateAck(req.request_id, "scheduler-under-test", True)))
             wire.requests.put_nowait(req)
         await scheduler.nc.subscribe(protocol.GENERATE, cb=on_generate)
@@ -223,3 +227,16 @@ async def test_requests_are_checked_against_the_limits_the_replicas_advertise(st
         while await models_max_len() != config_len:
             assert time.monotonic() < deadline, "the fallback to config.json never applied"
             await asyncio.sleep(0.05)
+
+
+async def test_a_scheduler_refusal_reaches_the_client_as_its_error_not_a_503(stack):
+    """A message the scheduler cannot take is answered with an ErrorReply: the client gets its
+    code's status and message (a 400 here), not "no scheduler is available"."""
+    (gw_a, _), wire = stack
+    wire.refusal = "sampling.top_p: must be in (0, 1]"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw_a.url + "/v1/completions", json=body([1, 2], 4)) as resp:
+            assert resp.status == 400, await resp.text()
+            error = (await resp.json())["error"]
+    assert error["message"] == wire.refusal and error["code"] == protocol.ErrorCode.BAD_REQUEST
+    assert len(gw_a.flows) == 0

@@ -22,7 +22,7 @@ def lora_stack(tiny_model_dir, tmp_path_factory):
     # Its own NATS and Valkey: its scheduler must not join other stacks' queue group.
     s = LocalStack(str(tiny_model_dir), engines=2, deployment="tiny",
                    engine_args=["--threads", "1", "--num-kv-blocks", "256", "--enable-lora", "--max-loras", "2",
-                                "--max-lora-rank", "8"],
+                                "--max-lora-rank", "8", "--max-model-len", "1024"],
                    log_dir=tmp_path_factory.mktemp("lora-stack-logs"))
     s.start()
     yield s
@@ -93,6 +93,9 @@ async def test_load_serve_unload_over_http(lora_stack, tiny_model_dir, peft_adap
         async with http.get(url + "/v1/models", headers=admin) as resp:
             models = {m["id"]: m for m in (await resp.json())["data"]}
         assert models["attn"]["parent"] == "tiny" and models["mlp"]["parent"] == "tiny" and "bad" not in models
+        # An adapter's context is its base's, as the replicas advertise it (not config.json's 2048).
+        assert models["attn"]["max_model_len"] == models["mlp"]["max_model_len"] == models["tiny"]["max_model_len"] \
+            == 1024
 
         from transformers import AutoTokenizer
 

@@ -14,9 +14,9 @@ counts acceptance. `observe` feeds the step's wall time to the cost model.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from services.engine.block_manager import BlockManager
@@ -101,7 +101,7 @@ class SpeculativeDecoder:
         for i in decoding:
             seq = batch.seqs[i]
             if seq.spec_state is None:
-                seq.spec_state = SpecState(draft_params=dataclasses.replace(seq.params, logprobs=None))
+                seq.spec_state = SpecState(draft_params=msgspec.structs.replace(seq.params, logprobs=None))
             # Drafts beyond max_tokens - 1 or the context could never all be emitted with the token after them.
             room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens,
                        self.proposer.room(seq))

@@ -17,13 +17,14 @@ from services.engine.spec_decode.rejection import match_drafts, rejection_sample
 
 class ExtendedSequence:
     """A sequence as it would be with `extra` tokens appended: what Sampler.prepare reads of
-    it (parameters, output position, the ids that penalties count)."""
+    it (parameters and logits processors, output position, the ids that penalties count)."""
 
-    __slots__ = ("seq", "extra", "params", "num_prompt_tokens")
+    __slots__ = ("seq", "extra", "params", "processors", "num_prompt_tokens")
 
     def __init__(self, seq, extra: list[int], params=None):
         self.seq, self.extra = seq, extra
         self.params = params if params is not None else seq.params
+        self.processors = seq.processors
         self.num_prompt_tokens = seq.num_prompt_tokens
 
     @property
