@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
-                                                                 "quant_linear.c")]
-_HEADERS = [Path(__file__).with_name("strata_math.h")]
+                                                                 "quant_linear.c", "lora.c")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -82,6 +82,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
         fn = getattr(lib, f"strata_qlinear_{suffix}")  # kernels/cpu/quant.py
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, i, p, i, n, p, p, n, i]
+        fn = getattr(lib, f"strata_lora_sgmv_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, p, n, n, p, i, n, p, p, p, i, p, n, i]
     return lib
 
 
@@ -256,4 +258,38 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
     getattr(load(), f"strata_sample_rows_{KERNEL_DTYPES[x.dtype]}")(
         x.data_ptr(), rows, x.shape[1], stride, *(t.data_ptr() for t in params), uniforms.data_ptr(),
         uniforms.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def lora_sgmv(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, slice_cols: torch.Tensor,
+              groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """out[t] += x[t] @ A[s].T @ B[s] in place for the tokens of each group (kernels/cpu/lora.c
+    has the layout: B block-diagonal per slice, slice i's columns slice_cols[i]..[i+1]).
+    groups: (tokens, group_starts, group_slots), int64: the tokens of group g are
+    tokens[group_starts[g]:group_starts[g + 1]] and use slot group_slots[g]. Returns out."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("CPU kernels unavailable (no C compiler)")
+    tokens, starts, slots = groups
+    slots_n, rows, fan_in = a_stack.shape
+    fan_out = b_stack.shape[2]
+    if not (x.dtype == a_stack.dtype == b_stack.dtype == out.dtype and x.dtype in KERNEL_DTYPES):
+        raise ValueError("lora_sgmv takes x, A, B and out of one fp32 or bf16 dtype")
+    if (x.dim() != 2 or x.shape[1] != fan_in or x.stride(1) != 1 or out.dim() != 2 or out.shape[1] != fan_out
+            or out.stride(1) != 1 or not (a_stack.is_contiguous() and b_stack.is_contiguous())
+            or b_stack.shape[:2] != (slots_n, rows)):
+        raise ValueError("lora_sgmv: x [tokens, in], A [slots, rows, in], B [slots, rows, out] and out "
+                         "[tokens, out] must match, with contiguous rows")
+    n_slices = slice_cols.numel() - 1
+    if n_slices < 1 or rows % n_slices:
+        raise ValueError("lora_sgmv: slice_cols must hold a bound per slice of A's rows, and 0")
+    for t in (tokens, starts, slots, slice_cols):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("lora_sgmv: groups and slice_cols must be contiguous int64 CPU tensors")
+    rc = getattr(lib, f"strata_lora_sgmv_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.stride(0), fan_in, a_stack.data_ptr(), b_stack.data_ptr(), rows, rows // n_slices,
+        slice_cols.data_ptr(), n_slices, fan_out, tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(),
+        slots.numel(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"lora_sgmv (CPU) failed with code {rc}")
     return out

@@ -10,6 +10,7 @@ if os.environ.get("STRATA_KERNEL_DEVICE", "cpu") == "cpu":
 import pytest
 import torch
 
+from kernels import cpu as cpu_kernels
 from kernels.lora import bgmv_expand, bgmv_shrink, lora_delta_ref
 
 DEVICE = os.environ.get("STRATA_KERNEL_DEVICE", "cpu")
@@ -70,9 +71,55 @@ def test_lora_linear_torch_paths_match_reference():
     layout = [(0, long), (-1, 2), (2, long), (0, long), (1, 1), (2, 1), (0, 1), (1, 1), (-1, 1)]
     x = torch.randn(sum(n for _, n in layout), 32, generator=g)
     token_slots = torch.tensor([slot for slot, n in layout for _ in range(n)], dtype=torch.int32)
+    expect = base(x) + lora_delta_ref(x, a, b, token_slots)
     batch = LoRABatch(torch.device("cpu"), False, num_slots=3)
+    batch.use_cpu_kernel = False  # the grouped torch path, as without a C compiler
     batch.set(layout)
     assert batch.grouped is not None and len(batch.own_runs) == 2  # slot 0's two long runs as one
-    out = LoRALinear(base, a, b, batch)(x)
-    expect = base(x) + lora_delta_ref(x, a, b, token_slots)
-    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(LoRALinear(base, a, b, batch)(x), expect, atol=1e-4, rtol=1e-4)
+    if cpu_kernels.load() is not None:  # the short runs through kernels/cpu/lora.c instead
+        batch = LoRABatch(torch.device("cpu"), False, num_slots=3)
+        batch.set(layout)
+        assert batch.kernel_groups is not None and batch.grouped is None and len(batch.own_runs) == 2
+        torch.testing.assert_close(LoRALinear(base, a, b, batch)(x), expect, atol=1e-4, rtol=1e-4)
+
+
+def block_diagonal_b(g: torch.Generator, slots: int, rank: int, widths: list[int]) -> torch.Tensor:
+    """B as the engine holds it: slice i's rows only in slice i's columns (zero elsewhere)."""
+    b = torch.zeros(slots, len(widths) * rank, sum(widths))
+    col = 0
+    for i, w in enumerate(widths):
+        b[:, i * rank:(i + 1) * rank, col:col + w] = torch.randn(slots, rank, w, generator=g) / rank ** 0.5
+        col += w
+    return b
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels run on CPU tensors")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("fan_in,rank,widths", [(96, 8, [40, 24, 24]), (200, 16, [130]), (70, 20, [70, 70])])
+def test_cpu_sgmv_kernel_matches_reference(dtype, fan_in, rank, widths):
+    """kernels/cpu/lora.c against the per-token reference: tokens of a slot apart and out of
+    order, groups of 1 to 9 tokens (the 4-token passes and their tails), base-model tokens left
+    untouched, slice widths that are not multiples of the 64-column blocks, ranks that are not
+    multiples of the 16-row shrink."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(fan_in + rank)
+    slots_n, tokens = 4, 17
+    x = torch.randn(tokens, fan_in, generator=g).to(dtype)
+    a = (torch.randn(slots_n, len(widths) * rank, fan_in, generator=g) / fan_in ** 0.5).to(dtype)
+    b = block_diagonal_b(g, slots_n, rank, widths).to(dtype)
+    members = {2: [3, 0, 9, 16, 5, 11, 1, 7, 13], 0: [2], 3: [4, 15, 8, 6, 12]}  # 10 and 14: base model
+    token_slots = torch.full((tokens,), -1, dtype=torch.int32)
+    for slot, ts in members.items():
+        token_slots[ts] = slot
+    starts = [0]
+    for ts in members.values():
+        starts.append(starts[-1] + len(ts))
+    groups = (torch.tensor([t for ts in members.values() for t in ts]), torch.tensor(starts), torch.tensor(list(members)))
+    base = torch.randn(tokens, sum(widths), generator=g).to(dtype)
+    out = cpu_kernels.lora_sgmv(x, a, b, torch.tensor([0, *widths]).cumsum(0), groups, base.clone())
+    expect = base.float() + lora_delta_ref(x, a, b, token_slots)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), expect, **tol)
+    assert torch.equal(out[token_slots == -1], base[token_slots == -1])

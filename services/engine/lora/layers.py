@@ -6,10 +6,13 @@ and read by every LoRALinear. On CPU the tokens come in runs of consecutive toke
 (SGMV-style: the runner puts decodes of one adapter next to each other; a prefill chunk is one
 run). Long runs get two torch matmuls per adapter (the runs of one adapter gathered into one
 operand, so a prefill of many requests costs one matmul pair per adapter, not per request).
-Short runs (decodes), when there are more than two, go together in five calls whatever the mix:
-their tokens gathered into one padded group per slot ([slots, longest group, in]), a batched
-shrink and expand against every slot's A and B (torch.bmm), and the deltas added back to their
-tokens. A small matmul per adapter costs a CPU more in overhead than the padding does in flops.
+Short runs (decodes) go through one C call per layer whatever the mix (kernels/cpu/lora.c: the
+shrink, and the expand over the nonzero blocks of B, added in place): at decode sizes a torch
+matmul per adapter, or the gather, batched matmuls and index_add that group them, cost more in
+calls than in arithmetic. Without the C kernels (no compiler, fp16), more than two short runs
+go together through that grouped torch path: their tokens gathered into one padded group per
+slot ([slots, longest group, in]), a batched shrink and expand against every slot's A and B
+(torch.bmm), and the deltas added back to their tokens.
 On CUDA it is the gathered BGMV Triton kernels of kernels.lora, two launches per layer whatever
 the mix.
 """
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.engine.linear import Linear
 
 
-# CPU: runs of at least LONG_RUN tokens get matmuls of their adapter's own; more than
-# MAX_SHORT_RUNS shorter ones go through the grouped (padded, batched) path together.
+# CPU: runs of at least LONG_RUN tokens get matmuls of their adapter's own; shorter ones go to
+# the C kernel, or without it, when more than MAX_SHORT_RUNS, through the grouped torch path.
 LONG_RUN = 16
 MAX_SHORT_RUNS = 2
 
@@ -31,11 +35,15 @@ class LoRABatch:
     def __init__(self, device: torch.device, use_triton: bool, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32):
         self.device, self.use_triton, self.num_slots, self.dtype = device, use_triton, num_slots, dtype
+        self.use_cpu_kernel = (not use_triton and device.type == "cpu" and dtype in cpu_kernels.KERNEL_DTYPES
+                               and cpu_kernels.load() is not None)
         self.runs: list[tuple[int, int, int]] = []  # (start, end, slot) of tokens using an adapter
         self.token_slots: torch.Tensor | None = None  # [tokens] int32 on the device (Triton path)
         # Grouped short runs: (gather index [slots * longest], rows of it that are real tokens,
         # those tokens), token indices into the step's batch.
         self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Short runs for the C kernel: (tokens, group starts, group slots), int64, one group per slot.
+        self.kernel_groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Long runs, per slot: (slot, token slice, or token indices when the slot's runs are apart)
         self.own_runs: list[tuple[int, slice | torch.Tensor]] = []
 
@@ -50,7 +58,7 @@ class LoRABatch:
                     runs.append((start, start + n, slot))
             start += n
         self.runs, self.own_runs = runs, []
-        self.token_slots = self.grouped = None
+        self.token_slots = self.grouped = self.kernel_groups = None
         own = runs
         if runs and self.use_triton:
             slots = torch.full((start,), -1, dtype=torch.int32)
@@ -59,10 +67,17 @@ class LoRABatch:
             self.token_slots = slots.to(self.device, non_blocking=True)
         else:
             short = [r for r in runs if r[1] - r[0] < LONG_RUN]
-            if len(short) > MAX_SHORT_RUNS:
-                groups: dict[int, list[int]] = {}
-                for s, e, slot in short:
-                    groups.setdefault(slot, []).extend(range(s, e))
+            groups: dict[int, list[int]] = {}
+            for s, e, slot in short:
+                groups.setdefault(slot, []).extend(range(s, e))
+            if short and self.use_cpu_kernel:
+                starts = [0]
+                for members in groups.values():
+                    starts.append(starts[-1] + len(members))
+                self.kernel_groups = (torch.tensor([t for members in groups.values() for t in members]),
+                                      torch.tensor(starts), torch.tensor(list(groups)))
+                own = [r for r in runs if r[1] - r[0] >= LONG_RUN]
+            elif len(short) > MAX_SHORT_RUNS:
                 longest = max(map(len, groups.values()))
                 gather = torch.full((self.num_slots, longest), short[0][0], dtype=torch.int64)
                 rows, tokens = [], []
@@ -82,11 +97,18 @@ class LoRABatch:
 
 
 class LoRALinear:
-    """Called like a Linear; every other attribute is the base layer's."""
+    """Called like a Linear; every other attribute is the base layer's. `slice_outs`: the output
+    width of each fused slice, B being block-diagonal over them (one slice, a dense B, if not
+    given)."""
 
-    def __init__(self, base: Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, batch: LoRABatch):
+    def __init__(self, base: Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, batch: LoRABatch,
+                 slice_outs: list[int] | None = None):
         self.base, self.a_stack, self.b_stack, self.batch = base, a_stack, b_stack, batch
         self.a_stack_t = a_stack.transpose(1, 2)  # [slots, in, rows]: the batched shrink's operand
+        widths = slice_outs or [b_stack.shape[2]]
+        if sum(widths) != b_stack.shape[2] or a_stack.shape[1] % len(widths):
+            raise ValueError(f"slices {widths} do not fit B {tuple(b_stack.shape)}")
+        self.slice_cols = torch.tensor([0, *widths]).cumsum(0)  # column bounds of each slice
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -102,7 +124,9 @@ class LoRALinear:
             x2 = x.contiguous()
             y = bgmv_shrink(x2, self.a_stack, batch.token_slots)
             return bgmv_expand(y, self.b_stack, batch.token_slots, out)
-        if batch.grouped is not None:
+        if batch.kernel_groups is not None:
+            cpu_kernels.lora_sgmv(x, self.a_stack, self.b_stack, self.slice_cols, batch.kernel_groups, out)
+        elif batch.grouped is not None:
             gather, rows, tokens = batch.grouped
             slots = self.a_stack.shape[0]
             grouped = x.index_select(0, gather).view(slots, -1, x.shape[1])

@@ -46,7 +46,7 @@ class LoRAManager:
                 a = torch.zeros((max_loras, rows, fan_in), dtype=dtype, device=device)
                 b = torch.zeros((max_loras, rows, sum(outs)), dtype=dtype, device=device)
                 self.stacks[(i, linear)] = (a, b)
-                setattr(layer, linear, LoRALinear(getattr(layer, linear), a, b, self.batch))
+                setattr(layer, linear, LoRALinear(getattr(layer, linear), a, b, self.batch, outs))
         self._lock = threading.Lock()
         self.registered: dict[str, Path] = {}
         self.host: OrderedDict[str, LoRAWeights] = OrderedDict()
