@@ -9,7 +9,7 @@ import pytest
 
 from services.control.spec import SpecError, validate
 from services.engine.config import EngineArgs
-from services.engine.spec_decode.adaptive import AdaptivePolicy, bucket, expected_tokens
+from services.engine.spec_decode.adaptive import AdaptivePolicy, Candidate, bucket, expected_tokens
 from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.decoder import explore_seqs
 from services.engine.spec_decode.ngram import ngram_proposal
@@ -38,7 +38,7 @@ def simulate(policy: AdaptivePolicy, batch: int, acceptance: float, base: float,
     rng = random.Random(seed)
     tokens = seconds = 0.0
     for _ in range(steps):
-        k = policy.choose(batch, [(policy.acceptance(None), 4)] * batch)
+        k = policy.choose(batch, [Candidate(policy.acceptance(None), 4)] * batch)
         speculating = 0 if k == 0 else (min(batch, explore_seqs(batch)) if policy.exploring else batch)
         cost = extra.get(k, 0.0)  # seconds per speculating sequence, or a function of how many speculate
         per_seq = cost(speculating) if callable(cost) else cost
@@ -91,6 +91,24 @@ def test_a_cost_that_grows_with_the_speculating_sequences_is_learnt_in_one_step_
     assert rate > 0.97 * (1 / base)
 
 
+def test_a_draft_models_catch_up_is_priced_by_the_share_of_the_output_a_step_yields():
+    """A draft model 265 tokens behind every sequence (a prompt it has not seen), 0.1 ms per
+    catch-up token, verification costing 0.6 of a decode per draft (compute-bound at batch 32).
+    At batch 32 with 96 tokens left each, k=2 gains 20% without the catch-up and loses with its
+    share: off. At batch 1 with 256 tokens left, the share is small: the longest k."""
+    policy = AdaptivePolicy(4)
+    for batch, base in ((32, 0.0005), (1, 0.003)):
+        for _ in range(2):
+            policy.observe(batch, 0, 0, batch * base)
+        for k in policy.arms:
+            policy.observe(batch, k, batch, batch * (base + 0.0003 * k))
+    policy.observe_catch_up(265 * 8, 265 * 8 * 0.0001)
+    caught_up, behind = Candidate(0.9, 4, 0, 96), Candidate(0.9, 4, 265, 96)
+    assert policy.choose(32, [caught_up] * 32) > 0
+    assert policy.choose(32, [behind] * 32) == 0
+    assert policy.choose(1, [Candidate(0.9, 4, 265, 256)]) == 4
+
+
 def test_low_acceptance_turns_speculation_off_even_at_batch_one():
     rate, chosen = simulate(AdaptivePolicy(4), 1, 0.02, base=0.010, extra={1: 0.002, 2: 0.003, 4: 0.005},
                             steps=1000)
@@ -99,7 +117,7 @@ def test_low_acceptance_turns_speculation_off_even_at_batch_one():
 
 def test_a_fixed_policy_always_takes_k():
     policy = AdaptivePolicy(3, adaptive=False)
-    assert [policy.choose(b, [(0.0, 3)]) for b in (1, 64)] == [3, 3]
+    assert [policy.choose(b, [Candidate(0.0, 3)]) for b in (1, 64)] == [3, 3]
     assert policy.choose(8, []) == 0  # nobody to speculate for
 
 

@@ -17,20 +17,28 @@ verifying k more tokens and proposing them adds to the step. Both are measured h
 
 Each step takes the k (0 included) with the most tokens per second,
 
-    rate(k) = (B + sum_s (E_s(k) - 1)) / (B * base + S * extra[k, S]),
+    rate(k) = (B + sum_s (E_s(k) - 1)) / (B * base + S * extra[k, S] + catch_up(k)),
 
-and speculates only if that beats rate(0) = 1 / base by `margin`. Arms are explored one step at
+(catch_up below) and speculates only if that beats rate(0) = 1 / base by `margin`. Arms are explored one step at
 a time, at most one step in `explore_gap` per bucket, and every arm again after `refresh_steps`
 steps; an exploring step speculates a quarter of the batch only (decoder.explore_seqs), so it
-costs little even at a large batch where the arm turns out to lose. A draft model's
-catch-up forwards (a prompt it has not seen, tokens decoded while speculation was off) are paid
-once and are left out of the step time the cost model sees.
+costs little even at a large batch where the arm turns out to lose, and picks the sequences a
+draft model has already caught up with.
+
+A draft model's catch-up forwards (a prompt it has not seen, tokens decoded while speculation
+was off) are left out of the step time the arms see: they are paid once per sequence, not per
+step. They are priced apart, per token (`catch_up`), and a step that would make sequences catch
+up pays its share of it: catch_up(k) sums, over them, the catch-up tokens times the seconds per
+token times the share of the remaining output the step yields (E_s(k) / remaining_s, at most 1). So a short
+request behind a long prompt does not speculate at a large batch, where the step gains a few
+percent, and does at batch 1, where it gains several times the cost.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -43,6 +51,15 @@ def expected_tokens(acceptance: float, k: int) -> float:
 def bucket(num_decodes: int) -> int:
     """Batch sizes on a half-octave grid (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, ...)."""
     return max(1, int(round(2 ** (round(2 * math.log2(max(num_decodes, 1))) / 2))))
+
+
+class Candidate(NamedTuple):
+    """A decoding sequence that could speculate this step."""
+
+    acceptance: float  # its expected acceptance rate
+    room: int  # drafts it can take
+    catch_up: int = 0  # tokens the proposer must process before drafting (a draft model behind it)
+    remaining: int = 1 << 30  # output tokens it may still produce
 
 
 @dataclass
@@ -100,6 +117,7 @@ class AdaptivePolicy:
         self.prior, self.prior_weight, self.global_decay = prior, prior_weight, global_decay
         self.buckets: dict[int, _Bucket] = {}
         self.engine_acceptance = Acceptance()
+        self.catch_up = _Ema()  # seconds per catch-up token of the proposer
         self.step = 0
         self.exploring = False  # the last choice measures an arm (the engine speculates few sequences then)
         self.chosen: dict[int, int] = {}  # k -> steps that chose it
@@ -115,16 +133,16 @@ class AdaptivePolicy:
         self.engine_acceptance.add(accepted, num_drafts, self.global_decay)
 
     # ---- cost ------------------------------------------------------------------------------
-    def choose(self, num_decodes: int, candidates: list[tuple[float, int]]) -> int:
+    def choose(self, num_decodes: int, candidates: list[Candidate]) -> int:
         """k for a step with `num_decodes` decoding sequences, of which `candidates` could
-        speculate: (acceptance rate, drafts available) each."""
+        speculate."""
         self.step += 1
         self.exploring = False
         k = self._choose(num_decodes, candidates)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
-    def _choose(self, num_decodes: int, candidates: list[tuple[float, int]]) -> int:
+    def _choose(self, num_decodes: int, candidates: list[Candidate]) -> int:
         if not candidates:
             return 0
         if not self.adaptive:
@@ -143,19 +161,30 @@ class AdaptivePolicy:
                     return k
         base = cell.base.value
         best, best_rate = 0, (1.0 + self.margin) / base
-        n_spec = sum(1 for _, n in candidates if n > 0)
+        n_spec = sum(1 for c in candidates if c.room > 0)
+        per_token = self.catch_up.value if self.catch_up.count else 0.0
         for k in self.arms:
             arm = cell.arm_cost(k, n_spec, fresh)
             if arm is None:
                 continue
-            gain = sum(expected_tokens(a, min(k, n)) - 1.0 for a, n in candidates)
-            rate = (num_decodes + gain) / (num_decodes * base + n_spec * max(arm.value, 0.0))
+            gain = catch_up = 0.0
+            for c in candidates:
+                tokens = expected_tokens(c.acceptance, min(k, c.room))
+                gain += tokens - 1.0
+                if c.catch_up:
+                    catch_up += c.catch_up * per_token * min(1.0, tokens / max(c.remaining, 1))
+            rate = (num_decodes + gain) / (num_decodes * base + n_spec * max(arm.value, 0.0) + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
     def _stale(self, ema: _Ema) -> bool:
         return self.step - ema.last_step > self.refresh_steps
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The proposer caught sequences up by `tokens` tokens in `seconds`."""
+        if tokens > 0 and self.adaptive:
+            self.catch_up.add(seconds / tokens, self.ema, self.step)
 
     def observe(self, num_decodes: int, k: int, num_speculating: int, seconds: float) -> None:
         """A step of decodes only (no prefill in it) took `seconds`, with k drafts for

@@ -23,7 +23,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.config import EngineArgs
 from services.engine.model_config import ModelConfig
 from services.engine.scheduler import ScheduledBatch
-from services.engine.spec_decode.adaptive import Acceptance, AdaptivePolicy
+from services.engine.spec_decode.adaptive import Acceptance, AdaptivePolicy, Candidate
 from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.verifier import Verifier
@@ -116,10 +116,15 @@ class SpeculativeDecoder:
                 if d:
                     proposals[i], rooms[i] = d, len(d)
             rooms = {i: rooms[i] for i in proposals}
-        candidates = [(self.policy.acceptance(batch.seqs[i].spec_state.acceptance), r) for i, r in rooms.items()]
+        lags = {i: self.proposer.lag(batch.seqs[i]) for i in rooms}
+        candidates = [Candidate(self.policy.acceptance(batch.seqs[i].spec_state.acceptance), r, lags[i],
+                                batch.seqs[i].params.max_tokens - batch.seqs[i].num_output_tokens)
+                      for i, r in rooms.items()]
         k = plan.k = self.policy.choose(len(decoding), candidates)
         if k == 0:
             return
+        if self.policy.exploring:  # measure the arm on the sequences with the least to catch up
+            rooms = dict(sorted(rooms.items(), key=lambda item: lags[item[0]]))
         budget = self.max_num_batched_tokens - batch.num_tokens
         granted: dict[int, int] = {}
         for i, room in rooms.items():
@@ -136,6 +141,7 @@ class SpeculativeDecoder:
             idx = list(granted)
             for i, d in zip(idx, self.proposer.propose([batch.seqs[i] for i in idx], [granted[i] for i in idx])):
                 proposals[i] = d
+            self.policy.observe_catch_up(self.proposer.catch_up_tokens, self.proposer.catch_up_s)
         for i, m in granted.items():
             seq = batch.seqs[i]
             seq.spec_token_ids = proposals.get(i, [])[:m]

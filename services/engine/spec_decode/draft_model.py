@@ -80,7 +80,8 @@ class DraftModelProposer:
         self.sampler = self.runner.sampler
         self.max_tokens_per_forward = args.max_num_batched_tokens
         self.max_positions = self.config.max_position_embeddings
-        self.catch_up_s = 0.0  # the last proposal's catch-up forwards (see propose)
+        self.catch_up_s = 0.0  # the last proposal's catch-up forwards (see propose), and their tokens
+        self.catch_up_tokens = 0
 
     def state(self, seq) -> DraftState:
         state = seq.spec_state.draft
@@ -91,6 +92,11 @@ class DraftModelProposer:
     def room(self, seq) -> int:
         """Drafts the draft model can place after seq's last token (its position limit)."""
         return max(self.max_positions - seq.num_tokens, 0)
+
+    def lag(self, seq) -> int:
+        """Tokens of seq a proposal would catch up on before drafting (see propose)."""
+        behind = seq.num_tokens - self.state(seq).computed
+        return behind - 1 if behind > 2 else 0
 
     def verified(self, seq) -> None:
         """After seq's verification: its draft KV stays valid only up to the accepted tokens."""
@@ -106,8 +112,9 @@ class DraftModelProposer:
         # speculation) first catch up to their last token but one: timed apart (`catch_up_s`),
         # since it is paid once, not per step.
         start = time.perf_counter()
-        self._catch_up({i: v.num_tokens - 1 for i, v in views.items() if v.num_tokens - v.num_computed_tokens > 2},
-                       seqs, views, drafts)
+        behind = {i: v.num_tokens - 1 for i, v in views.items() if v.num_tokens - v.num_computed_tokens > 2}
+        self.catch_up_tokens = sum(target - views[i].num_computed_tokens for i, target in behind.items())
+        self._catch_up(behind, seqs, views, drafts)
         self.catch_up_s = time.perf_counter() - start
         self._catch_up({i: v.num_tokens for i, v in views.items()}, seqs, views, drafts)  # the first drafts
         # Then one token per forward for the sequences that want more.

@@ -38,7 +38,7 @@ class NgramProposer:
     """Proposals for many sequences at once (the engine's interface for proposers)."""
 
     needs_slots_first = False  # reads tokens only: slots are allocated for what it proposes
-    catch_up_s = 0.0  # nothing to catch up
+    catch_up_s, catch_up_tokens = 0.0, 0  # nothing to catch up
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -46,6 +46,10 @@ class NgramProposer:
     @staticmethod
     def room(seq) -> int:
         return len(seq.token_ids)  # no limit of its own
+
+    @staticmethod
+    def lag(seq) -> int:
+        return 0
 
     @staticmethod
     def verified(seq) -> None:
