@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
-                                                                 "quant_linear.c", "lora.c")]
+                                                                 "quant_linear.c", "lora.c",
+                                                                 "prefill_attention.c")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -84,6 +85,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, i, p, i, n, p, p, n, i]
         fn = getattr(lib, f"strata_lora_sgmv_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, p, n, n, p, i, n, p, p, p, i, p, n, i]
+        fn = getattr(lib, f"strata_prefill_attention_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, i, p, p, p, n, i, i, i, i, i, f, i]
     return lib
 
 
@@ -138,6 +141,59 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_scales.data_ptr() if int8 else None, v_scales.data_ptr() if int8 else None)
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention (CPU) failed with code {rc}")
+    return out
+
+
+def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal prefill/extend attention over the paged cache (kernels/cpu/prefill_attention.c):
+    query [tokens, num_heads, head_dim] (fp32 or bf16, CPU; heads contiguous, any token stride,
+    e.g. a view into the fused qkv output), chunk b's tokens query_start_loc[b]..[b + 1] at
+    positions context_lens[b] - qlen .. context_lens[b] - 1, their K/V already in the caches
+    [num_blocks, block_size, num_kv_heads, head_dim]. Same contract as
+    kernels.reference.paged_prefill_attention_ref. Writes into `out` (same layout rules) if given."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("CPU kernels unavailable (no C compiler)")
+    if query.dtype not in KERNEL_DTYPES or query.device.type != "cpu" or query.dim() != 3:
+        raise ValueError("paged_prefill_attention_cpu: query must be a [tokens, heads, head_dim] fp32 or bf16 CPU tensor")
+    tokens, num_heads, head_dim = query.shape
+    for t in (k_cache, v_cache):
+        if t.dtype != query.dtype or t.device.type != "cpu" or t.dim() != 4 or not t.is_contiguous():
+            raise ValueError("paged_prefill_attention_cpu: caches must be contiguous 4-d CPU tensors of the query's dtype")
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"paged_prefill_attention_cpu: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not "
+                         f"match {num_heads} query heads of head_dim {head_dim}")
+    if head_dim % 16 or head_dim > 256:
+        raise ValueError(f"paged_prefill_attention_cpu: head_dim must be a multiple of 16 up to 256, got {head_dim}")
+    out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
+    for name, t in (("query", query), ("out", out)):
+        if tokens and (t.stride(2) != 1 or t.stride(1) != head_dim):
+            raise ValueError(f"paged_prefill_attention_cpu: {name}'s heads must be contiguous ([tokens, heads, "
+                             "head_dim] with any token stride)")
+    if out.shape != query.shape or out.dtype != query.dtype or out.device.type != "cpu":
+        raise ValueError("paged_prefill_attention_cpu: out must match the query")
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    batch = context_lens.numel()
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or query_start_loc.numel() != batch + 1:
+        raise ValueError("paged_prefill_attention_cpu: block_tables [chunks, max_blocks], query_start_loc "
+                         "[chunks + 1] and context_lens [chunks] must agree")
+    if batch and (int(query_start_loc[0]) < 0 or int(query_start_loc[-1]) > tokens):
+        raise ValueError("paged_prefill_attention_cpu: query_start_loc runs past the query's tokens")
+    rc = getattr(lib, f"strata_prefill_attention_{KERNEL_DTYPES[query.dtype]}")(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(), out.data_ptr(), out.stride(0),
+        batch, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+    if rc == -1:
+        raise ValueError("paged_prefill_attention_cpu: a chunk has more new tokens than context, a negative length, "
+                         "or more blocks than its block table holds")
+    if rc != 0:
+        raise RuntimeError(f"paged_prefill_attention_cpu failed with code {rc}")
     return out
 
 

@@ -41,8 +41,9 @@ class AttentionMetadata:
 class TorchAttention:
     """Portable attention in plain torch (the CPU path): gather the blocks, then SDPA.
 
-    On CPU with fp32 or bf16, decode uses the C kernel in kernels.cpu instead, which reads the
-    cache through the block table without the gather copy.
+    On CPU with fp32 or bf16, decode and prefill use the C kernels in kernels.cpu instead, which
+    read the cache through the block table without the gather copy (prefill: flash attention,
+    kernels/cpu/prefill_attention.c).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -91,6 +92,13 @@ class TorchAttention:
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        if (self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES
+                and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype):
+            # One call for every chunk, through the block tables: the new K/V are already stored.
+            cpu_kernels.paged_prefill_attention_cpu(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                    meta.prefill_query_start_loc, meta.prefill_context_lens,
+                                                    self.scale, out=out)
+            return
         block_size = k_cache.shape[1]
         if meta.prefill_gather_index is None:
             meta.prefill_gather_index = []

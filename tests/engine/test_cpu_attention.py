@@ -1,5 +1,12 @@
 """The CPU attention paths against the plain reference: the C decode kernel (kernels/cpu) and the
-torch gather path, over non-contiguous block tables, ragged lengths and GQA ratios 1, 2, 4."""
+torch gather path, over non-contiguous block tables, ragged lengths and GQA ratios 1, 2, 4, 7, 8;
+and the C prefill kernel (kernels/cpu/prefill_attention.c) over chunks with and without cached
+prefixes."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +119,160 @@ def test_prefill_path_long_contexts(dtype):
     ref = paged_prefill_attention_ref(qp, kc, vc, tables, starts, lens, scale)
     atol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=1e-2)
+
+
+# ---- the C prefill kernel (kernels/cpu/prefill_attention.c) ---------------------------------
+
+# (cached prefix, new tokens): plain prefill, a block-aligned prefix + chunk, an unaligned one,
+# a single new token, and chunks spanning several 64-key tiles and query blocks.
+PREFILL_CHUNKS = [(0, 37), (32, 21), (45, 19), (29, 1), (0, 150), (70, 130)]
+
+
+def prefill_case(seed: int, chunks: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int,
+                 dtype=torch.float32, block: int = BLOCK):
+    """Caches holding every chunk's context (prefix and new tokens) in scattered blocks, the
+    chunks' queries packed back to back, and the metadata tensors."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [p + n for p, n in chunks]
+    num_blocks = sum(-(-c // block) for c in ctx) + 5
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(ctx), max(-(-c // block) for c in ctx) + 1, dtype=torch.int32)
+    for b, c in enumerate(ctx):
+        for i in range(-(-c // block)):
+            tables[b, i] = perm.pop()
+    qlens = [n for _, n in chunks]
+    starts = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(qlens), kv_heads * group, head_dim, generator=g).mul(2).to(dtype)
+    return q, k_cache, v_cache, tables, starts, torch.tensor(ctx, dtype=torch.int32)
+
+
+def prefill_tolerance(dtype):
+    # bf16: P rounded to bf16 for P x V and the output rounded once; fp32: summation order only.
+    return (ATOL, 0) if dtype == torch.float32 else (1e-2, 1e-2)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, group, head_dim", CASES)
+def test_c_prefill_kernel_matches_reference(kv_heads, group, head_dim, dtype):
+    """Several chunks of different lengths in one call, with and without cached prefixes."""
+    q, kc, vc, tables, starts, ctx = prefill_case(7, PREFILL_CHUNKS, kv_heads, group, head_dim, dtype)
+    scale = head_dim ** -0.5
+    ours = cpu_kernels.paged_prefill_attention_cpu(q, kc, vc, tables, starts, ctx, scale)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, starts, ctx, scale)
+    atol, rtol = prefill_tolerance(dtype)
+    torch.testing.assert_close(ours.float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_prefill_kernel_strided_views_and_odd_shapes(dtype):
+    """q a view into a fused qkv row, out a view into a wider buffer; block_size 5 (blocks and
+    64-key tiles out of step), head_dim 80 (not a multiple of 64), an empty chunk."""
+    chunks = [(0, 70), (23, 0), (61, 66), (3, 1)]
+    q, kc, vc, tables, starts, ctx = prefill_case(8, chunks, 2, 3, 80, dtype, block=5)
+    fused = torch.zeros(q.shape[0], q.shape[1] * 80 + 48, dtype=dtype)
+    fused[:, 16:16 + q.shape[1] * 80] = q.reshape(q.shape[0], -1)
+    qv = fused[:, 16:16 + q.shape[1] * 80].view(q.shape)
+    wide = torch.full((q.shape[0], q.shape[1] * 80 + 32), 7.0, dtype=dtype)
+    out = wide[:, :q.shape[1] * 80].view(q.shape)
+    cpu_kernels.paged_prefill_attention_cpu(qv, kc, vc, tables, starts, ctx, 0.1, out=out)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, starts, ctx, 0.1)
+    atol, rtol = prefill_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    assert torch.all(wide[:, q.shape[1] * 80:] == 7.0)  # nothing written past each row
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+def test_c_prefill_kernel_long_context_threads():
+    """A 4k prompt, GQA 8 at head_dim 128, on 1 and 2 threads: identical results (each output
+    row is computed by one task, in one order)."""
+    q, kc, vc, tables, starts, ctx = prefill_case(9, [(0, 4096)], 1, 8, 128, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.paged_prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 128 ** -0.5)
+        torch.set_num_threads(2)
+        two = cpu_kernels.paged_prefill_attention_cpu(q, kc, vc, tables, starts, ctx, 128 ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    # The reference on a sample of rows: row t is a decode over the first t + 1 positions.
+    rows = torch.tensor([0, 1, 63, 64, 1000, 2047, 4095])
+    ref = paged_decode_attention_ref(q[rows].float(), kc.float(), vc.float(), tables.expand(len(rows), -1),
+                                     (rows + 1).to(torch.int32), 128 ** -0.5)
+    torch.testing.assert_close(one[rows].float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+def test_c_prefill_kernel_rejects_bad_inputs():
+    q, kc, vc, tables, starts, ctx = prefill_case(10, [(20, 12)], 2, 2, 64)
+    call = cpu_kernels.paged_prefill_attention_cpu
+    with pytest.raises(ValueError, match="dtype"):
+        call(q, kc.double(), vc, tables, starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="query heads"):
+        call(q[:, :3], kc, vc, tables, starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        call(q[..., :40], kc[..., :40].contiguous(), vc[..., :40].contiguous(), tables, starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="more new tokens than context"):
+        call(q, kc, vc, tables, starts, torch.tensor([11], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="block table"):
+        call(q, kc, vc, tables[:, :1], starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="past the query"):
+        call(q[:5], kc, vc, tables, starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        call(q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, tables, starts, ctx, 0.1)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("flags", [["-O2"], ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]],
+                         ids=["plain-c", "avx512-no-bf16"])
+def test_c_prefill_kernel_fallbacks(flags, tmp_path):
+    """The builds for CPUs without AVX-512 (plain C) and without AVX512-BF16 (bf16 widened to the
+    fp32 tiles), compiled here and called directly."""
+    if "-mavx512f" in flags and "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512 on this CPU")
+    src = Path(cpu_kernels.__file__).with_name("prefill_attention.c")
+    so = tmp_path / "prefill.so"
+    subprocess.run(["gcc", *flags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        fn = getattr(lib, f"strata_prefill_attention_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, i, p, p, p, n, i, i, i, i, i, f, i]
+        q, kc, vc, tables, starts, ctx = prefill_case(11, [(0, 37), (45, 19), (70, 70)], 2, 4, 48, dtype)
+        out = torch.empty_like(q)
+        assert fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), tables.shape[1],
+                  starts.data_ptr(), ctx.data_ptr(), out.data_ptr(), out.stride(0), 3, 8, 2, 48, BLOCK, 0.2, 2) == 0
+        ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, starts, ctx, 0.2)
+        atol, rtol = prefill_tolerance(dtype)
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_uses_c_kernel_and_matches_sdpa_path(dtype, monkeypatch):
+    """TorchAttention._prefill calls the kernel for CPU fp32/bf16 and agrees with its SDPA path."""
+    chunks = [(0, 40), (32, 21), (45, 19)]
+    q, kc, vc, tables, starts, ctx = prefill_case(12, chunks, 2, 7, 64, dtype)
+    ctx_host, qlens = ctx.tolist(), [n for _, n in chunks]
+    knew = torch.cat([kc[tables[b].long()].reshape(-1, 2, 64)[c - n:c] for b, (c, n) in enumerate(zip(ctx_host, qlens))])
+    vnew = torch.cat([vc[tables[b].long()].reshape(-1, 2, 64)[c - n:c] for b, (c, n) in enumerate(zip(ctx_host, qlens))])
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), 0, empty.view(0, 0), empty, sum(qlens),
+                             tables, starts, ctx, qlens, ctx_host)
+    attn = TorchAttention(14, 2, 64, 0.125)
+    calls = []
+    real = cpu_kernels.paged_prefill_attention_cpu
+    monkeypatch.setattr(cpu_kernels, "paged_prefill_attention_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ours = torch.empty_like(q)
+    attn._prefill(q, knew, vnew, kc, vc, meta, ours)
+    assert calls == [1]
+    attn.cpu_kernels = False
+    sdpa = torch.empty_like(q)
+    attn._prefill(q, knew, vnew, kc, vc, meta, sdpa)
+    atol, rtol = prefill_tolerance(dtype)
+    torch.testing.assert_close(ours.float(), sdpa.float(), atol=atol if dtype == torch.float32 else 2e-2, rtol=rtol)
