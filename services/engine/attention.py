@@ -93,11 +93,18 @@ class TorchAttention:
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         if (self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES
-                and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype):
+                and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype
+                and self.head_dim % 16 == 0 and self.head_dim <= 256):
             # One call for every chunk, through the block tables: the new K/V are already stored.
-            cpu_kernels.paged_prefill_attention_cpu(q, k_cache, v_cache, meta.prefill_block_tables,
-                                                    meta.prefill_query_start_loc, meta.prefill_context_lens,
-                                                    self.scale, out=out)
+            # The kernel takes any token stride (q is a view into the fused qkv), heads contiguous.
+            def heads_contiguous(t):
+                return t.stride(2) == 1 and t.stride(1) == self.head_dim
+            direct = heads_contiguous(out)
+            o = cpu_kernels.paged_prefill_attention_cpu(
+                q if heads_contiguous(q) else q.contiguous(), k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out if direct else None)
+            if not direct:
+                out.copy_(o)
             return
         block_size = k_cache.shape[1]
         if meta.prefill_gather_index is None:

@@ -276,3 +276,20 @@ def test_prefill_uses_c_kernel_and_matches_sdpa_path(dtype, monkeypatch):
     attn._prefill(q, knew, vnew, kc, vc, meta, sdpa)
     atol, rtol = prefill_tolerance(dtype)
     torch.testing.assert_close(ours.float(), sdpa.float(), atol=atol if dtype == torch.float32 else 2e-2, rtol=rtol)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+def test_prefill_kernel_path_copies_odd_layouts():
+    """_prefill with a query whose heads are not contiguous and an out view of the same kind:
+    the kernel path copies in and out rather than failing."""
+    chunks = [(16, 20)]
+    q, kc, vc, tables, starts, ctx = prefill_case(13, chunks, 2, 2, 64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [tokens, heads, dim], dim stride = heads
+    buf = torch.zeros(q.shape[0], 64, 4)
+    out = buf.transpose(1, 2)
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), 0, empty.view(0, 0), empty, 20, tables, starts, ctx,
+                             [20], [36])
+    TorchAttention(4, 2, 64, 0.125)._prefill(qt, None, None, kc, vc, meta, out)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(q, kc, vc, tables, starts, ctx, 0.125),
+                               atol=ATOL, rtol=0)
