@@ -293,8 +293,15 @@ static void pv_f32(const void *pv, const void *vtv, int D, int nk, float *o, con
 #endif
 
 /* One row's online-softmax step over a tile: scores s[0..nvalid) (raw; c = scale * log2 e), the
- * rest masked. Updates m (running max, log2 units) and l (running sum); writes P[0..width) (zeros
- * past nvalid) in fp32 or bf16 and returns alpha, the factor for the row's previous O. */
+ * rest masked. Updates m (running max, log2 units) and l (running sum: L_LANES partial sums, added
+ * up at the end, so no horizontal sum per tile); writes P[0..width) (zeros past nvalid) in fp32
+ * or bf16 and returns alpha, the factor for the row's previous O (1 without an exp when the max
+ * holds, as it mostly does after the first tiles). */
+#if defined(__AVX512F__)
+#define L_LANES 16
+#else
+#define L_LANES 1
+#endif
 static inline float softmax_row(const float *s, int nvalid, int width, float c, float *m, float *l,
                                 void *p, int p_bf16) {
     float mx = -INFINITY;
@@ -308,12 +315,14 @@ static inline float softmax_row(const float *s, int nvalid, int width, float c, 
 #else
     for (int j = 0; j < nvalid; j++) mx = s[j] > mx ? s[j] : mx;
 #endif
-    const float m_new = *m > mx * c ? *m : mx * c;
-    const float alpha = strata_expf((*m - m_new) * 0.6931471805599453f);  /* m = -inf: 0 */
-    float sum = 0.f;
+    float alpha = 1.f, m_new = *m;
+    if (mx * c > *m) {
+        m_new = mx * c;
+        alpha = strata_expf((*m - m_new) * 0.6931471805599453f);  /* m = -inf: 0 */
+    }
 #if defined(__AVX512F__)
     const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m_new);
-    __m512 vsum = _mm512_setzero_ps();
+    __m512 vsum = _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha));
     for (int j = 0; j < width; j += 32) {
         __m512 e[2];
         for (int h = 0; h < 2; h++) {
@@ -331,17 +340,17 @@ static inline float softmax_row(const float *s, int nvalid, int width, float c, 
             _mm512_storeu_ps((float *)p + j + 16, e[1]);
         }
     }
-    sum = _mm512_reduce_add_ps(vsum);
+    _mm512_storeu_ps(l, vsum);
 #else
-    float *pf = (float *)p;
+    float *pf = (float *)p, sum = 0.f;
     (void)p_bf16;
     for (int j = 0; j < width; j++) {
         const float e = j < nvalid ? strata_expf((s[j] * c - m_new) * 0.6931471805599453f) : 0.f;
         pf[j] = e;
         sum += e;
     }
-#endif
     *l = *l * alpha + sum;
+#endif
     *m = m_new;
     return alpha;
 }
@@ -431,7 +440,7 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
         float *sbuf = (float *)alloc64(sizeof(float) * (size_t)mpad * BN);                             \
         QE *pbuf = (QE *)alloc64(sizeof(QE) * (size_t)mpad * BN);                                       \
         float *obuf = (float *)alloc64(sizeof(float) * (size_t)mpad * D);                              \
-        float *rowf = (float *)alloc64(sizeof(float) * 3 * (size_t)mpad);                              \
+        float *rowf = (float *)alloc64(sizeof(float) * (2 + L_LANES) * (size_t)mpad);                  \
         int *pos = (int *)alloc64(sizeof(int) * (size_t)mpad);                                          \
         if (!qbuf || !sbuf || !pbuf || !obuf || !rowf || !pos) {                                        \
             _Pragma("omp atomic write") failed = 1;                                                     \
@@ -443,7 +452,7 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
             const int b = tk.chunk, qs = query_start_loc[b], ctx = context_lens[b];                    \
             const int first = ctx - (query_start_loc[b + 1] - qs);                                     \
             const int rows = (tk.t1 - tk.t0) * group, maxpos = first + tk.t1 - 1;                     \
-            float *m = rowf, *l = rowf + mpad, *alpha = rowf + 2 * mpad;                               \
+            float *m = rowf, *alpha = rowf + mpad, *l = rowf + 2 * mpad;  /* l: L_LANES per row */     \
             for (int r = 0; r < mpad; r++) {                                                            \
                 QE *qr = qbuf + (long)r * D;                                                            \
                 if (r < rows) {                                                                          \
@@ -455,7 +464,8 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
                     memset(qr, 0, sizeof(QE) * (size_t)D);                                              \
                     pos[r] = maxpos;                                                                    \
                 }                                                                                       \
-                m[r] = -INFINITY; l[r] = 0.f;                                                            \
+                m[r] = -INFINITY;                                                                       \
+                for (int i = 0; i < L_LANES; i++) l[(long)r * L_LANES + i] = 0.f;                     \
             }                                                                                           \
             memset(obuf, 0, sizeof(float) * (size_t)mpad * D);                                          \
             const QE *ktiles = tiles + (tile0[b] + (long)tk.kvh * ((ctx + BN - 1) / BN)) * tile_elems;  \
@@ -474,7 +484,8 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
                         memset(pbuf + (long)r * BN, 0, sizeof(QE) * (size_t)width);                     \
                         alpha[r] = 1.f;                                                                 \
                     } else                                                                              \
-                        alpha[r] = softmax_row(sbuf + (long)r * BN, nvalid, width, c, m + r, l + r,     \
+                        alpha[r] = softmax_row(sbuf + (long)r * BN, nvalid, width, c, m + r,            \
+                                               l + (long)r * L_LANES,                                   \
                                                pbuf + (long)r * BN, P_BF16);                            \
                 }                                                                                       \
                 for (int r = r0; r < mpad; r += RT)                                                     \
@@ -483,7 +494,9 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
             for (int r = 0; r < rows; r++) {                                                            \
                 const int tt = r / group, h = tk.kvh * group + r % group;                              \
                 T *dst = out + (long)(qs + tk.t0 + tt) * out_stride + (long)h * D;                     \
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;                                        \
+                float sum = 0.f;                                                                        \
+                for (int i = 0; i < L_LANES; i++) sum += l[(long)r * L_LANES + i];                      \
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;                                          \
                 const float *orow = obuf + (long)r * D;                                                 \
                 for (int d = 0; d < D; d++) dst[d] = NARROW(orow[d] * inv);                             \
             }                                                                                           \
