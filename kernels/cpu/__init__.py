@@ -169,6 +169,8 @@ def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_ca
                          f"match {num_heads} query heads of head_dim {head_dim}")
     if head_dim % 16 or head_dim > 256:
         raise ValueError(f"paged_prefill_attention_cpu: head_dim must be a multiple of 16 up to 256, got {head_dim}")
+    if not scale > 0:
+        raise ValueError(f"paged_prefill_attention_cpu: scale must be positive, got {scale}")
     out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
     for name, t in (("query", query), ("out", out)):
         if tokens and (t.stride(2) != 1 or t.stride(1) != head_dim):

@@ -379,7 +379,7 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
 {                                                                                                       \
     const int D = head_dim;                                                                             \
     if (batch < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || D <= 0 || D % 16 != 0      \
-        || D > MAX_HEAD_DIM || block_size <= 0) return -1;                                              \
+        || D > MAX_HEAD_DIM || block_size <= 0 || !(scale > 0.f)) return -1;                           \
     for (int b = 0; b < batch; b++) {                                                                   \
         const int qlen = query_start_loc[b + 1] - query_start_loc[b];                                  \
         if (qlen < 0 || qlen > context_lens[b] || (long)(context_lens[b] + block_size - 1) / block_size > max_blocks) \

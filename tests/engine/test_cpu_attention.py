@@ -225,6 +225,10 @@ def test_c_prefill_kernel_rejects_bad_inputs():
         call(q[:5], kc, vc, tables, starts, ctx, 0.1)
     with pytest.raises(ValueError, match="contiguous"):
         call(q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, tables, starts, ctx, 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        call(q, kc, vc, tables, starts, ctx, 0.0)
+    torch.testing.assert_close(call(q, kc, vc, tables, starts, ctx, 0.1),  # still fine after all that
+                               paged_prefill_attention_ref(q, kc, vc, tables, starts, ctx, 0.1), atol=ATOL, rtol=0)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
