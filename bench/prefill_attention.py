@@ -5,7 +5,8 @@ TorchAttention._prefill runs them (the same call with the kernels on and off), p
 One sequence with no cached prefix, bf16, block_size 16 with the blocks scattered over the
 cache, at the M shape (Llama: 8 heads / 4 KV heads, head_dim 64), the L shape (Qwen2.5-0.5B: 14
 / 2, head_dim 64) and 16 / 2 at head_dim 128, prompts of 128 to 4096 tokens. Prints ms per layer
-(best of --repeats after a warm-up: the machine may be shared; medians are recorded too) and the
+(best of at least --repeats calls after a warm-up, more for short calls: the machine may be
+shared; medians are recorded too) and the
 speed-up of the best times; writes bench/results/prefill_attention.json.
 
     python bench/prefill_attention.py                 # 2 threads
@@ -68,8 +69,10 @@ def setup(heads: int, kv_heads: int, head_dim: int, length: int, dtype=torch.bfl
 def time_ms(fn, repeats: int) -> tuple[float, float]:
     """(best, median) milliseconds of `repeats` calls after a warm-up."""
     fn()  # warm-up (and the kernel build)
-    samples = []
-    for _ in range(repeats):
+    samples, start = [], time.perf_counter()
+    # At least `repeats` calls and about half a second of them (at most 50): on a shared machine
+    # the best of a few short calls is often one that was preempted.
+    while len(samples) < repeats or (time.perf_counter() - start < 0.5 and len(samples) < 50):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
