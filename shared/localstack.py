@@ -7,6 +7,7 @@ A URL given in the settings means "use that server"; an empty one means "start o
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,10 +24,28 @@ from shared.logging import get_logger
 log = get_logger()
 
 
+# Ports handed out below Linux's ephemeral range (32768-60999): a port the kernel chose with
+# bind(0) is in that range, where any outgoing connection (a client to NATS, Redis, the
+# gateway) can take it as its local port before our server binds it.
+_LISTEN_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never handed out before by this process."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.choice(_LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise PortInUse(f"no free port in {_LISTEN_PORTS.start}-{_LISTEN_PORTS.stop - 1} after 1000 tries")
 
 
 class PortInUse(RuntimeError):
