@@ -51,9 +51,11 @@ class TorchAttention:
         self.cpu_kernels = cpu_kernels.load() is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, heads, head_dim], written into `out` when given (a view of a bigger buffer)."""
         self._store(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)

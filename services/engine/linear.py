@@ -18,6 +18,21 @@ import torch.nn.functional as F
 PACK_BATCH_HINT = 32
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a packed CPU matmul runs at for `rows` rows (the model pads to it).
+
+    oneDNN builds a primitive for every shape it meets, 0.5-2 ms on a 2-core CPU: as long as a
+    whole decode step's matmuls. A continuous batch meets a new row count almost every step (a
+    sequence joins or ends, a prefill chunk has its own length), so exact row counts would pay
+    that again and again. Rounded up to 8 sizes per octave (to multiples of 8 up to 64 rows),
+    55 sizes cover 1-2048 rows and their primitives stay in oneDNN's cache (1024 entries).
+    Above 64 rows the padding is under 1/8; below, the matmul reads the weights either way."""
+    if rows <= 8:
+        return rows
+    step = 8 if rows <= 64 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def cpu_prepacking_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 

@@ -9,11 +9,12 @@ takes a flat batch of tokens from many sequences.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.reference import compute_cos_sin_cache
 from services.engine.attention import AttentionMetadata
 from services.engine.checkpoint import Checkpoint
-from services.engine.linear import Linear
+from services.engine.linear import Linear, row_bucket
 from services.engine.model_config import ModelConfig
 
 # Per-layer linear layers and norm weights, as LlamaLayer names them.
@@ -61,6 +62,28 @@ class LlamaModel:
         self.rope = compute_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                           c.rope_scaling).to(device)
         self.attn = ops.attention_cls(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+        # Packed CPU matmuls run at bucketed row counts (linear.row_bucket): the step's rows are
+        # padded once at the embedding, and attention writes its real rows into a padded buffer.
+        self.pads_rows = all(isinstance(lin, Linear) and lin.packed is not None for lin in self._linear_shapes())
+
+    def _linear_shapes(self) -> list:
+        """One linear of each shape (oneDNN's primitives are per shape, not per weight)."""
+        return [self.lm_head] + [getattr(self.layers[0], n) for n in LAYER_LINEARS]
+
+    def rows_for(self, rows: int) -> int:
+        """The rows a forward or logits call of `rows` rows computes (padded ones included)."""
+        return row_bucket(rows) if self.pads_rows else rows
+
+    def warm_up(self, max_rows: int) -> None:
+        """Builds the matmul primitives of every row bucket up to max_rows (the decode batch
+        sizes) at load, rather than in the first steps that meet them."""
+        if not self.pads_rows:
+            return
+        sizes = sorted({row_bucket(r) for r in range(1, max_rows + 1)})
+        with torch.inference_mode():
+            for lin in self._linear_shapes():
+                for rows in sizes:
+                    lin(torch.zeros(rows, lin.in_features, dtype=self.dtype, device=self.device))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as held (packed layouts included; a tied lm_head that shares
@@ -77,6 +100,11 @@ class LlamaModel:
         ops, c = self.ops, self.config
         eps = c.rms_norm_eps
         n = input_ids.shape[0]
+        rows = self.rows_for(n)
+        attn_out = None
+        if rows > n:  # padded rows: token 0 at position 0, never stored in the cache nor attended
+            input_ids, positions = F.pad(input_ids, (0, rows - n)), F.pad(positions, (0, rows - n))
+            attn_out = torch.zeros(rows, c.num_heads, c.head_dim, dtype=self.dtype, device=self.device)
         h = self.embed.index_select(0, input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -86,20 +114,28 @@ class LlamaModel:
                 x, residual = ops.rms_norm(h, layer.input_norm, eps, residual)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(n, c.num_heads, c.head_dim)
-            k = k.reshape(n, c.num_kv_heads, c.head_dim)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            q = q.reshape(rows, c.num_heads, c.head_dim)
+            k = k.reshape(rows, c.num_kv_heads, c.head_dim)
+            v = v.reshape(rows, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
                 q = ops.rms_norm(q, layer.q_norm, eps)
                 k = ops.rms_norm(k, layer.k_norm, eps)
             q, k = ops.rotary(positions, q, k, self.rope, c.head_dim)
-            o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            h = layer.o(o.view(n, self.q_size))
+            if attn_out is None:
+                o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
+            else:
+                o = attn_out
+                self.attn.forward(q[:n], k[:n], v[:n], k_cache, v_cache, meta, out=attn_out[:n])
+            h = layer.o(o.view(rows, self.q_size))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         h, _ = ops.rms_norm(h, self.norm, eps, residual)
-        return h
+        return h[:n]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] in the model's dtype: the sampler converts what it needs to fp32."""
+        n = hidden.shape[0]
+        rows = self.rows_for(n)
+        if rows > n:
+            return self.lm_head(F.pad(hidden, (0, 0, 0, rows - n)))[:n]
         return self.lm_head(hidden)

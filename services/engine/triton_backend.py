@@ -14,22 +14,25 @@ class TritonAttention:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, heads, head_dim], written into `out` when given (as TorchAttention)."""
         k_cache, v_cache, scales = self._caches(k_cache, v_cache)
         kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         nd = meta.num_decodes
-        if not meta.num_prefill_tokens:  # decode-only steps (and CUDA graphs): no copy
+        if not meta.num_prefill_tokens and out is None:  # decode-only steps (and CUDA graphs): no copy
             # max_context_len=None bounds splits by the block table width: no host sync.
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, self.scale, **scales)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         if nd:
             out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, self.scale,
                                                       max_context_len=meta.decode_max_context, **scales)
-        out[nd:] = kernels.paged_prefill_attention(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.prefill_query_start_loc, meta.prefill_context_lens,
-                                                   self.scale, **scales)
+        if meta.num_prefill_tokens:
+            out[nd:] = kernels.paged_prefill_attention(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
+                                                       meta.prefill_query_start_loc, meta.prefill_context_lens,
+                                                       self.scale, **scales)
         return out
 
     @staticmethod

@@ -83,9 +83,9 @@ class Int8KVTorchAttention(TorchAttention):
     """TorchAttention over int8 caches (QuantizedKVCache): quantized stores, the int8 decode
     kernel, dequantized gathers for prefill and the portable decode path."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out=None):
         self._dtype = q.dtype  # what dequantized gathers are read as
-        return super().forward(q, k, v, k_cache, v_cache, meta)
+        return super().forward(q, k, v, k_cache, v_cache, meta, out)
 
     def _store(self, k, v, k_cache: QuantizedKVCache, v_cache: QuantizedKVCache, meta: AttentionMetadata) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
