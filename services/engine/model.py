@@ -74,15 +74,16 @@ class LlamaModel:
         """The rows a forward or logits call of `rows` rows computes (padded ones included)."""
         return row_bucket(rows) if self.pads_rows else rows
 
-    def warm_up(self, max_rows: int) -> None:
-        """Builds the matmul primitives of every row bucket up to max_rows (the decode batch
-        sizes) at load, rather than in the first steps that meet them."""
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        """Builds, at load, the matmul primitives of every row bucket a step can meet (up to
+        max_tokens rows; the logits up to max_logit_rows), rather than in the first steps that
+        meet them: a first batch ran its matmuls 1.5x slower than the same batch run again."""
         if not self.pads_rows:
             return
-        sizes = sorted({row_bucket(r) for r in range(1, max_rows + 1)})
         with torch.inference_mode():
             for lin in self._linear_shapes():
-                for rows in sizes:
+                limit = max_logit_rows if lin is self.lm_head else max_tokens
+                for rows in sorted({row_bucket(r) for r in range(1, limit + 1)}):
                     lin(torch.zeros(rows, lin.in_features, dtype=self.dtype, device=self.device))
 
     def weight_bytes(self) -> int:
