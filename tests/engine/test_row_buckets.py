@@ -69,3 +69,13 @@ def test_padded_rows_change_no_token_or_logprob(tiny_model_dir, prompts):
                 assert (got.token_id, got.rank) == (want.token_id, want.rank)
                 assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
     assert_no_leak(padded.engine)
+
+
+def test_warm_up_runs_every_bucket_a_step_can_meet(tiny_model_dir):
+    llm = LLM(tiny_model_dir, max_num_seqs=12, max_num_batched_tokens=96)
+    model = llm.engine.runner.model
+    down = model.layers[0].down = RowsSeen(model.layers[0].down)
+    head = model.lm_head = RowsSeen(model.lm_head)
+    model.warm_up(96, 12)
+    assert down.rows == sorted({row_bucket(r) for r in range(1, 97)}) and down.rows[-1] == 96
+    assert head.rows == list(range(1, 9)) + [16]
