@@ -77,7 +77,7 @@ class LlamaModel:
     def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
         """Builds, at load, the matmul primitives of every row bucket a step can meet (up to
         max_tokens rows; the logits up to max_logit_rows), rather than in the first steps that
-        meet them: a first batch ran its matmuls 1.5x slower than the same batch run again."""
+        meet them (bench/row_buckets.py: a new server's first batch)."""
         if not self.pads_rows:
             return
         with torch.inference_mode():
