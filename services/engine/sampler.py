@@ -72,15 +72,19 @@ class SampleResult:
 
 @dataclass
 class Penalties:
-    """Rows with a penalty and what they need, padded to rectangles for gather/scatter."""
+    """The rows with a penalty and, for each, every id it has seen (prompt and output), sorted,
+    as one rectangle: a penalty changes only those ids' logits, so the sampler gathers them,
+    penalizes them in fp32, and never needs an fp32 copy of a whole row to do it. An id seen
+    twice appears twice (with the same count), and padding repeats the row's first id: writing
+    the penalized values back writes equal values for equal ids; `distinct` marks one of each."""
 
     rows: torch.Tensor  # [p] row indices into the batch
-    seen_ids: torch.Tensor | None  # [p, L] prompt + output ids (padded by repeating an id) for repetition
-    repetition: torch.Tensor | None  # [p, 1]
-    output_ids: torch.Tensor | None  # [p, O] output ids, sorted per row, padded with the row's first id
-    output_weight: torch.Tensor | None  # [p, O] 1.0 for real ids, 0.0 for padding
-    output_first: torch.Tensor | None  # [p, O] 1.0 where an id occurs for the first time in its row
-    frequency: torch.Tensor | None  # [p, 1]
+    row_list: list[int]  # the same, on the host
+    ids: torch.Tensor  # [p, L] seen ids, sorted per row
+    distinct: torch.Tensor  # [p, L] bool: the first occurrence of its id in the row
+    output_counts: torch.Tensor  # [p, L] fp32: how often the id occurs among the row's output tokens
+    repetition: torch.Tensor | None  # [p, 1]; None when no row has one
+    frequency: torch.Tensor | None  # [p, 1]; None (with presence) when no row has either
     presence: torch.Tensor | None  # [p, 1]
 
 
@@ -109,16 +113,6 @@ class SamplingBatch:
     logprob_counts: list[int] = field(default_factory=list)
     grammar_masks: object = None  # structured outputs: structured.StepMasks, or None
     processors: logits_processors.LogitsProcessing | None = None  # logit_bias, bad_words, ...
-
-
-def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
-    """Rows of ids as one rectangle, each padded by repeating its first id (harmless for
-    gather/scatter of the same value)."""
-    out = np.empty((len(rows), width), dtype=np.int64)
-    for i, ids in enumerate(rows):
-        out[i, :len(ids)] = ids
-        out[i, len(ids):] = ids[0] if len(ids) else 0
-    return out
 
 
 class Sampler:
@@ -180,27 +174,41 @@ class Sampler:
     def _prepare_penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
         dev = self.device
         ps = [seqs[i].params for i in rows]
-        pen = Penalties(torch.tensor(rows).to(dev), None, None, None, None, None, None, None)
         arrays = [seqs[i].token_array() for i in rows]
-        if any(p.repetition_penalty != 1.0 for p in ps):
+        width = max(len(a) for a in arrays)
+        pad = np.iinfo(np.int64).max  # sorts last
+        ids = np.full((len(rows), width), pad, dtype=np.int64)
+        is_output = np.zeros((len(rows), width), dtype=np.float32)
+        for j, (i, a) in enumerate(zip(rows, arrays)):
+            ids[j, :len(a)] = a
+            is_output[j, seqs[i].num_prompt_tokens:len(a)] = 1.0
+        order = np.argsort(ids, axis=1, kind="stable")
+        ids = np.take_along_axis(ids, order, axis=1)
+        is_output = np.take_along_axis(is_output, order, axis=1)
+        ids = np.where(ids == pad, ids[:, :1], ids)  # padding: the row's first (smallest) id
+        distinct = np.ones_like(ids, dtype=bool)
+        distinct[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        # Every element's count of its id among the outputs: sum the flags over each run of equal
+        # ids (runs numbered across the whole rectangle), then read each element's run back.
+        run = np.cumsum(distinct.ravel()) - 1
+        counts = np.bincount(run, weights=is_output.ravel())[run].reshape(ids.shape).astype(np.float32)
+        for j, a in enumerate(arrays):  # padding: not distinct, and its id's count
+            distinct[j, len(a):] = False
+            counts[j, len(a):] = counts[j, 0]
+
+        def column(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(dev)
+
+        any_repetition = any(p.repetition_penalty != 1.0 for p in ps)
+        any_count = any(p.frequency_penalty or p.presence_penalty for p in ps)
+        return Penalties(
+            rows=torch.tensor(rows).to(dev), row_list=rows, ids=torch.from_numpy(ids).to(dev),
+            distinct=torch.from_numpy(distinct).to(dev), output_counts=torch.from_numpy(counts).to(dev),
             # As in transformers/CTRL: over prompt and output tokens.
-            pen.seen_ids = torch.from_numpy(_padded(arrays, max(len(a) for a in arrays))).to(dev)
-            pen.repetition = torch.tensor([p.repetition_penalty for p in ps]).view(-1, 1).to(dev)
-        if any(p.frequency_penalty or p.presence_penalty for p in ps):
+            repetition=column([p.repetition_penalty for p in ps]) if any_repetition else None,
             # As in the OpenAI API: over generated tokens only.
-            outputs = [np.sort(a[seqs[i].num_prompt_tokens:]) for i, a in zip(rows, arrays)]
-            width = max(max(len(o) for o in outputs), 1)
-            ids = _padded(outputs, width)
-            lengths = np.array([len(o) for o in outputs])
-            real = np.arange(width)[None, :] < lengths[:, None]
-            first = real.copy()
-            first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
-            pen.output_ids = torch.from_numpy(ids).to(dev)
-            pen.output_weight = torch.from_numpy(real.astype(np.float32)).to(dev)
-            pen.output_first = torch.from_numpy(first.astype(np.float32)).to(dev)
-            pen.frequency = torch.tensor([p.frequency_penalty for p in ps]).view(-1, 1).to(dev)
-            pen.presence = torch.tensor([p.presence_penalty for p in ps]).view(-1, 1).to(dev)
-        return pen
+            frequency=column([p.frequency_penalty for p in ps]) if any_count else None,
+            presence=column([p.presence_penalty for p in ps]) if any_count else None)
 
     # ---- sample: on the logits' device -------------------------------------------------------
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -210,19 +218,21 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         """Tokens for the step; `logits` ([rows, >= vocab], any float dtype) may be overwritten.
         Logits stay in the model's dtype where only comparisons read them (argmax, top-k
-        candidates); penalties and whole-row sampling work on an fp32 copy."""
+        candidates). Penalties touch only the ids a row has seen: their penalized values are
+        kept aside in fp32 and the ids masked in `logits`, so the vocabulary-wide passes read the
+        rest as it is and take the seen ids from the side; only rows sampled over the whole
+        vocabulary get an fp32 copy."""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
         if batch.processors is not None:  # in place, in the logits' dtype (`logits` may be overwritten)
             logits = logits_processors.apply(logits, batch.processors)
         if batch.grammar_masks is not None:  # after the processors: the grammar has the last word
             logits = structured_masks(logits, batch.grammar_masks, self.vocab_size)
-        if batch.penalties is not None:
-            logits = self.apply_penalties(self._fp32(logits), batch)
-        if batch.all_greedy:
-            chosen = self._argmax(logits)
-        else:
-            chosen = self._draw(logits, batch)
+        seen = None
+        if (pen := batch.penalties) is not None:
+            seen = self.penalized_values(logits, pen)
+            logits[pen.rows.view(-1, 1), pen.ids] = NEG_INF
+        chosen = self._draw(logits, batch, seen)
         return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
 
     def raw_logprobs(self, logits: torch.Tensor, batch: SamplingBatch):
@@ -321,25 +331,32 @@ class Sampler:
         return raw, lse, values.float() - lse[:, None], ids
 
     @staticmethod
+    def penalized_values(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+        """[p, L] fp32: the penalized logits of the penalized rows' seen ids, read from `logits`
+        (any dtype): repetition (over prompt and output, as transformers), then frequency and
+        presence (over output tokens, as OpenAI)."""
+        v = logits[pen.rows.view(-1, 1), pen.ids].float()
+        if pen.repetition is not None:
+            v = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
+        if pen.frequency is not None:
+            v = v - (pen.frequency * pen.output_counts + pen.presence * (pen.output_counts > 0).float())
+        return v
+
+    @staticmethod
     def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The penalized fp32 logits, in place: repetition (over prompt and output, as
-        transformers), then frequency and presence (over output tokens, as OpenAI)."""
-        pen = batch.penalties
-        if pen is None:
-            return logits
-        every_row = pen.rows.numel() == logits.shape[0]
-        rows = logits if every_row else logits.index_select(0, pen.rows)
-        if pen.seen_ids is not None:
-            # Gathered before any write: duplicate ids scatter the same value back.
-            seen = rows.gather(1, pen.seen_ids)
-            seen = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
-            rows.scatter_(1, pen.seen_ids, seen)
-        if pen.output_ids is not None:
-            delta = pen.frequency * pen.output_weight + pen.presence * pen.output_first
-            rows.scatter_add_(1, pen.output_ids, -delta)
-        if not every_row:
-            logits.index_copy_(0, pen.rows, rows)
+        """The penalized fp32 logits, in place (dense: every row of the batch)."""
+        if (pen := batch.penalties) is not None:
+            logits[pen.rows.view(-1, 1), pen.ids] = Sampler.penalized_values(logits, pen)
         return logits
+
+    @staticmethod
+    def _penalized_among(batch: SamplingBatch, rows: list[int]) -> tuple[list[int], list[int]]:
+        """(positions in `rows`, their rows in batch.penalties) of the rows that have penalties."""
+        if batch.penalties is None:
+            return [], []
+        where = {r: j for j, r in enumerate(batch.penalties.row_list)}
+        pairs = [(i, where[r]) for i, r in enumerate(rows) if r in where]
+        return [i for i, _ in pairs], [j for _, j in pairs]
 
     def _uniforms(self, batch: SamplingBatch, rows: list[int], round_: int) -> torch.Tensor:
         """[len(rows), 1] uniforms for these rows of the batch, this rejection round."""
@@ -353,15 +370,51 @@ class Sampler:
                 u[list(index)] = torch.from_numpy(counter_uniforms(list(seeds), list(positions), round_))
         return u.view(-1, 1).to(self.device, non_blocking=True)
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        chosen = self._argmax(logits)  # greedy rows keep it
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None) -> torch.Tensor:
+        """`logits` with the penalized rows' seen ids masked; `seen` their penalized values."""
+        sampled = set(batch.top_k_rows) | set(batch.full_rows)
+        greedy = [i for i in range(batch.num_rows) if i not in sampled]
+        if not sampled:
+            return self._argmax_rows(logits, greedy, batch, seen)
+        chosen = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
+        if greedy:
+            chosen[greedy] = self._argmax_rows(logits, greedy, batch, seen)
         fallback: list[int] = []
         if batch.top_k_rows:
-            fallback = self._draw_top_k(logits, batch, chosen)
+            fallback = self._draw_top_k(logits, batch, chosen, seen)
         full = sorted(batch.full_rows + fallback)
         if full:
-            self._draw_full(logits, batch, full, chosen, set(fallback))
+            self._draw_full(self._dense_rows(logits, full, batch, seen), batch, full, chosen, set(fallback))
         return chosen
+
+    def _argmax_rows(self, logits: torch.Tensor, rows: list[int], batch: SamplingBatch,
+                     seen: torch.Tensor | None) -> torch.Tensor:
+        """These rows' argmax (the first index of the largest value, as torch.argmax), penalties
+        included: the masked row's argmax against the best of its seen ids."""
+        x = self._rows(logits, rows)
+        chosen = self._argmax(x)
+        local, prow = self._penalized_among(batch, rows)
+        if local:
+            pen = batch.penalties
+            best_seen, at = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF).max(dim=-1)
+            seen_id = pen.ids[prow].gather(1, at.view(-1, 1)).view(-1)  # ids sorted: the first of ties
+            unseen_id = chosen[local]
+            best_unseen = x[local].gather(1, unseen_id.view(-1, 1)).view(-1).float()
+            take = (best_seen > best_unseen) | ((best_seen == best_unseen) & (seen_id < unseen_id))
+            chosen[local] = torch.where(take, seen_id, unseen_id)
+        return chosen
+
+    def _dense_rows(self, logits: torch.Tensor, rows: list[int], batch: SamplingBatch,
+                    seen: torch.Tensor | None) -> torch.Tensor:
+        """These rows whole, penalized: an fp32 copy with the seen values written back where any
+        row has penalties, else the rows as they are."""
+        x = self._rows(logits, rows)
+        local, prow = self._penalized_among(batch, rows)
+        if not local:
+            return x
+        x = self._fp32(x)
+        x[torch.tensor(local, device=x.device).view(-1, 1), batch.penalties.ids[prow]] = seen[prow]
+        return x
 
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -388,12 +441,14 @@ class Sampler:
             width = min(4 * width, vocab)
         return values, ids, complete
 
-    def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor) -> list[int]:
+    def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor,
+                    seen: torch.Tensor | None) -> list[int]:
         """Rows with top-k: sample among their candidates (the k-th value's ties included).
         Returns the rows whose ties did not fit the candidates; they take the full-row path."""
         rows = batch.top_k_rows
         # Temperature scaling keeps the order: pick candidates first, then scale them.
         values, ids, complete = self._candidates(self._rows(logits, rows), batch.max_top_k)
+        values, ids = self._with_seen(values, ids, rows, batch, seen)
         width = values.shape[1]
         values = values / batch.temperature[rows]
         kth = values.gather(1, batch.top_k - 1)
@@ -419,15 +474,31 @@ class Sampler:
             chosen[[rows[j] for j in good]] = picked[good]
         return [rows[j] for j in (~complete).nonzero().view(-1).tolist()]
 
-    def _draw_full(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
+    def _with_seen(self, values: torch.Tensor, ids: torch.Tensor, rows: list[int], batch: SamplingBatch,
+                   seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates of masked rows merged with their seen ids' penalized values, re-sorted. The
+        merged k-th value is at least the masked row's, so a complete candidate set stays one."""
+        local, prow = self._penalized_among(batch, rows)
+        if not local:
+            return values, ids
+        pen = batch.penalties
+        width = pen.ids.shape[1]
+        extra = torch.full((len(rows), width), NEG_INF, device=values.device)
+        extra[local] = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF)
+        extra_ids = torch.zeros((len(rows), width), dtype=ids.dtype, device=ids.device)
+        extra_ids[local] = pen.ids[prow]
+        values, order = torch.cat([values, extra], dim=1).sort(dim=1, descending=True)
+        return values, torch.cat([ids, extra_ids], dim=1).gather(1, order)
+
+    def _draw_full(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
                    tied_top_k_rows: set[int]) -> None:
-        """Inverse-CDF sampling over whole rows; top-p by rejection against a rising pivot.
+        """Inverse-CDF sampling over whole rows (`x`: those rows, penalized); top-p by rejection
+        against a rising pivot.
 
         On CPU one C pass per row does it (the first rounds); elsewhere, and for a row the C
         rounds all rejected, torch on w = exp((logit - max) / T), the unnormalized
         probabilities (largest 1), in one buffer: the thresholds compare probabilities."""
         first_round = 0
-        x = self._rows(logits, rows)
         if cpu_kernels.supports(x) and x.stride(-1) == 1:
             picked = self._draw_full_cpu(x, batch, rows, tied_top_k_rows).tolist()
             left = [j for j, token in enumerate(picked) if token < 0]
@@ -435,8 +506,8 @@ class Sampler:
             chosen[[rows[j] for j in done]] = torch.tensor([picked[j] for j in done], dtype=chosen.dtype)
             if not left:
                 return
-            rows, first_round = [rows[j] for j in left], CPU_SAMPLE_ROUNDS
-        w = self._fp32(self._rows(logits, rows))  # in place when every row is here
+            rows, first_round, x = [rows[j] for j in left], CPU_SAMPLE_ROUNDS, self._rows(x, left)
+        w = self._fp32(x)  # in place when x is an fp32 copy or every row of fp32 logits
         w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
         if tied_top_k_rows:  # apply the k-th value threshold over the whole row
             where = {r: j for j, r in enumerate(batch.top_k_rows)}

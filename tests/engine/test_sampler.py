@@ -192,6 +192,33 @@ def test_penalties_equal_their_formulas():
     torch.testing.assert_close(ours, expected)
 
 
+@pytest.mark.parametrize("extra", [dict(top_k=20, top_p=0.9), dict(top_p=0.8, min_p=0.01), dict(top_k=5),
+                                   dict(temperature=0.0), "mixed"])
+def test_penalized_rows_draw_as_if_their_logits_were_penalized_first(extra):
+    """The sampler penalizes only the seen ids, aside, and masks them in the logits: every path
+    (greedy, top-k candidates, whole rows) must draw what it draws from densely penalized logits."""
+    vocab = 3000
+    rng = random.Random(5)
+    prompt = [rng.randrange(vocab) for _ in range(40)]
+    outputs = [rng.randrange(200) for _ in range(60)]  # repeats: output counts above 1
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(9)) * 3
+    logits[:, prompt + outputs] += 4  # the seen ids are the likely ones: penalties decide the draw
+    penalties = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.3),
+                 dict(repetition_penalty=0.7, presence_penalty=-0.5), dict()]
+    extras = [dict(top_k=20, top_p=0.9), dict(top_p=0.8), dict(temperature=0.0)] if extra == "mixed" else [extra]
+    params, plain = [], []
+    for i in range(12):
+        base = {"temperature": 0.9, "seed": 100 + i, **extras[i % len(extras)]}
+        params.append(SamplingParams(**base, **penalties[i % len(penalties)]))
+        plain.append(SamplingParams(**base))
+    sampler = Sampler(vocab)
+    batch = sampler.prepare(rows(params, prompt=prompt, outputs=outputs))
+    penalized_first = sampler.apply_penalties(logits.clone(), batch)
+    want = sampler.sample(penalized_first, sampler.prepare(rows(plain, prompt=prompt, outputs=outputs))).token_ids
+    assert sampler.sample(logits.clone(), batch).token_ids == want
+    assert len(set(want)) > 3
+
+
 def test_logprobs_only_for_rows_that_ask_and_from_the_raw_logits():
     vocab = 40
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
