@@ -82,16 +82,13 @@ def reference_sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def best_ms(fn, repeats: int, setup=None) -> float:
     """Best time of fn() over the repeats; with a setup, of fn(setup()), the setup untimed."""
-    run = fn if setup is None else None
-    for i in range(repeats + 1):  # the first is a warm-up
-        if setup is not None:
-            arg = setup()
-            run = lambda: fn(arg)  # noqa: E731
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        args = () if setup is None else (setup(),)
         start = time.perf_counter()
-        run()
-        elapsed = time.perf_counter() - start
-        best = float("inf") if i == 0 else min(best, elapsed)
-    return best * 1e3
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3
 
 
 def main(argv=None) -> int:

@@ -79,7 +79,7 @@ class Penalties:
     the penalized values back writes equal values for equal ids; `distinct` marks one of each."""
 
     rows: torch.Tensor  # [p] row indices into the batch
-    row_list: list[int]  # the same, on the host
+    index: dict[int, int]  # batch row -> its row here
     ids: torch.Tensor  # [p, L] seen ids, sorted per row
     distinct: torch.Tensor  # [p, L] bool: the first occurrence of its id in the row
     output_counts: torch.Tensor  # [p, L] fp32: how often the id occurs among the row's output tokens
@@ -202,7 +202,7 @@ class Sampler:
         any_repetition = any(p.repetition_penalty != 1.0 for p in ps)
         any_count = any(p.frequency_penalty or p.presence_penalty for p in ps)
         return Penalties(
-            rows=torch.tensor(rows).to(dev), row_list=rows, ids=torch.from_numpy(ids).to(dev),
+            rows=torch.tensor(rows).to(dev), index={r: j for j, r in enumerate(rows)}, ids=torch.from_numpy(ids).to(dev),
             distinct=torch.from_numpy(distinct).to(dev), output_counts=torch.from_numpy(counts).to(dev),
             # As in transformers/CTRL: over prompt and output tokens.
             repetition=column([p.repetition_penalty for p in ps]) if any_repetition else None,
@@ -354,8 +354,8 @@ class Sampler:
         """(positions in `rows`, their rows in batch.penalties) of the rows that have penalties."""
         if batch.penalties is None:
             return [], []
-        where = {r: j for j, r in enumerate(batch.penalties.row_list)}
-        pairs = [(i, where[r]) for i, r in enumerate(rows) if r in where]
+        index = batch.penalties.index
+        pairs = [(i, index[r]) for i, r in enumerate(rows) if r in index]
         return [i for i, _ in pairs], [j for _, j in pairs]
 
     def _uniforms(self, batch: SamplingBatch, rows: list[int], round_: int) -> torch.Tensor:
