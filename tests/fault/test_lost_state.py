@@ -79,7 +79,10 @@ async def test_valkey_restarted_empty_the_fleet_serves_on_and_the_scaler_drains_
             assert not await redis.exists(keys.deployment(MODEL))  # really gone from the store
             assert await replicas(redis) == before  # the engine re-registered itself, and still serves
             scaler_url = (await redis.hget(keys.service("scaler", "scaler-0"), "http_url")).decode()
-            assert await metric(scaler_url, "strata:scaler_deployments_missing_from_store") == 1  # the alarm
+            deadline = time.monotonic() + 20  # the alarm: at the scaler's next resync after it reconnects
+            while await metric(scaler_url, "strata:scaler_deployments_missing_from_store") != 1:
+                assert time.monotonic() < deadline, "the scaler never reported the deployment missing"
+                await asyncio.sleep(0.5)
         finally:
             control.send_signal(signal.SIGCONT)
         # 2. Control back: it writes its copy back and announces it.
