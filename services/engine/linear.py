@@ -5,7 +5,8 @@ On CPU (fp32 or bf16) the weight is reordered once, at load, into oneDNN's block
 vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
 inside every call; at decode batch sizes that costs as much as the product itself, and the
 packed weights run the model's linear shapes 1.3-3x faster. The plain weight is not kept.
-Elsewhere (CUDA, or a torch without oneDNN) the weight stays plain and `F.linear` runs.
+Elsewhere (CUDA, a torch without oneDNN, bf16 on a CPU without oneDNN's bf16 path) the weight
+stays plain and `F.linear` runs.
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def cpu_prepacking_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def cpu_prepacking_available(dtype: torch.dtype) -> bool:
+    """oneDNN can pack (and run) `dtype` weights on this CPU. Its bf16 path needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 weights stay plain and F.linear runs them, as
+    vLLM's CPU backend falls back there too."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
@@ -43,8 +49,7 @@ class Linear:
         self.dtype, self.device = weight.dtype, weight.device
         self.bias = bias
         if prepack is None:
-            prepack = (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-                       and cpu_prepacking_available())
+            prepack = weight.device.type == "cpu" and cpu_prepacking_available(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if prepack else None
         self.weight = None if prepack else weight
 

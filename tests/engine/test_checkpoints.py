@@ -113,14 +113,18 @@ def test_a_sliding_window_model_stops_at_its_window(tmp_path, tiny_model_dir):
     assert LLM(model_dir, num_kv_blocks=64).engine.max_model_len == 256
 
 
-@pytest.mark.skipif(not cpu_has_native_bf16(), reason="the CPU has no bf16 instructions")
-def test_bf16_on_cpu_agrees_with_transformers_bf16(tmp_path, tiny_model_dir):
-    """dtype=auto keeps a bf16 checkpoint in bf16 here; its next-token logprobs agree with
-    transformers running the same checkpoint in bf16 (up to bf16 rounding)."""
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_bf16_on_cpu_agrees_with_transformers_bf16(tmp_path, tiny_model_dir, dtype):
+    """dtype=auto keeps a bf16 checkpoint in bf16 where the CPU has bf16 instructions, and an
+    explicit bfloat16 runs on any CPU (on an AVX2-only one without oneDNN's packed bf16 path);
+    its next-token logprobs agree with transformers running the same checkpoint in bf16 (up to
+    bf16 rounding)."""
+    if dtype == "auto" and not cpu_has_native_bf16():
+        pytest.skip("the CPU has no bf16 instructions: auto runs a bf16 checkpoint in fp32")
     config = LlamaConfig(vocab_size=vocab(tiny_model_dir), hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, dtype="bfloat16")
     model_dir = build(tmp_path / "bf16", tiny_model_dir, LlamaForCausalLM, config, dtype=torch.bfloat16)
-    llm = LLM(model_dir, num_kv_blocks=128)
+    llm = LLM(model_dir, num_kv_blocks=128, dtype=dtype)
     assert llm.engine.runner.dtype == torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.bfloat16)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=5))

@@ -85,8 +85,9 @@ def test_int8_kv_cache_holds_more_blocks_and_agrees(quant_model_dir, prompts, fu
     plain = LLM(quant_model_dir, **budget)
     llm, tokens = greedy(quant_model_dir, prompts, kv_cache_dtype="int8", **budget)
     c = llm.engine.model_config
-    # bf16: 2 bytes per value; int8: 1 byte per value and a 4-byte scale per token and KV head.
-    ratio = (2 * c.head_dim) / (c.head_dim + 4)
+    # The model's dtype (auto: bf16, or fp32 on a CPU without bf16 instructions) per value; int8:
+    # 1 byte per value and a 4-byte scale per token and KV head.
+    ratio = (plain.engine.runner.dtype.itemsize * c.head_dim) / (c.head_dim + 4)
     blocks, plain_blocks = llm.stats()["total_blocks"], plain.stats()["total_blocks"]
     assert blocks == int((8 << 20) // (llm.engine.runner.kv_bytes_per_block))
     assert abs(blocks / plain_blocks - ratio) < 0.01, (blocks, plain_blocks)
@@ -107,9 +108,10 @@ def test_no_full_precision_copy_of_a_quantized_weight(quant_model_dir):
             lin = getattr(layer, name)
             assert isinstance(lin, QuantizedLinear) and lin.weight is None
             expected += lin.out_features * lin.in_features // 2 + lin.out_features * lin.in_features // 128 * 4
-            expected += 0 if lin.bias is None else lin.bias.numel() * 2
-    dense = model.embed.numel() * 2 + model.lm_head.nbytes + sum(
-        t.numel() * 2 for layer in model.layers for t in (layer.input_norm, layer.post_norm)) + model.norm.numel() * 2
+            expected += 0 if lin.bias is None else lin.bias.numel() * lin.bias.element_size()
+    # In the model's dtype (auto: bf16, or fp32 on a CPU without bf16 instructions).
+    dense = sum(t.numel() * t.element_size() for t in [model.embed, model.norm] + [
+        t for layer in model.layers for t in (layer.input_norm, layer.post_norm)]) + model.lm_head.nbytes
     assert isinstance(model.lm_head, Linear)  # lm_head stays in the model's dtype
     held = tensor_bytes(model)
     assert abs(held - (expected + dense)) <= 0.05 * (expected + dense), (held, expected + dense)
