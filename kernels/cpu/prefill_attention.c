@@ -27,7 +27,8 @@
  *   (adjacent in its row) is broadcast. P is rounded to bf16 for the P x V product (its row sum,
  *   the softmax denominator, is kept in fp32 from the unrounded values).
  * fp32 (and bf16 without AVX512-BF16, widened when packed): K [D][BN] (K^T), V [BN][D], fp32 P.
- * Without AVX-512 the same passes run as plain C loops (correct, not fast).
+ * Without AVX-512 the same passes run as plain C loops of fixed width that the compiler
+ * vectorizes (AVX2: 8 lanes).
  *
  * Output rounded once, O / l, to the query's dtype. Layouts: q and out [tokens, num_heads,
  * head_dim] with a token stride (q may be a view into the fused qkv projection); caches
@@ -269,24 +270,36 @@ DEFINE_ENGINE(f32, float, float)
 DEFINE_ENGINE(bf16, uint16_t, uint16_t)
 #endif
 #else
-/* Plain C: the same tiles, loops the compiler may vectorize. */
+/* Plain C (AVX2 and others): the same tiles, in loops of fixed width over contiguous data so
+ * that the compiler keeps them in vector registers. Scores: one row x BN keys (padded keys are
+ * zero in the tile, so all BN are computed). P x V: one row x 16 dims at a time. */
 static void scores_f32(const void *qv, int D, const void *ktv, float *s, int nk) {
     const float *q = (const float *)qv, *kt = (const float *)ktv;
-    for (int r = 0; r < RT; r++)
-        for (int j = 0; j < nk; j++) {
-            float acc = 0.f;
-            for (int d = 0; d < D; d++) acc += q[(long)r * D + d] * kt[(long)d * BN + j];
-            s[(long)r * BN + j] = acc;
+    (void)nk;
+    for (int r = 0; r < RT; r++) {
+        float acc[BN] = {0.f};
+        for (int d = 0; d < D; d++) {
+            const float qd = q[(long)r * D + d];
+            const float *krow = kt + (long)d * BN;
+            for (int j = 0; j < BN; j++) acc[j] += qd * krow[j];
         }
+        memcpy(s + (long)r * BN, acc, sizeof acc);
+    }
 }
 static void pv_f32(const void *pv, const void *vtv, int D, int nk, float *o, const float *alpha) {
     const float *p = (const float *)pv, *vt = (const float *)vtv;
     for (int r = 0; r < RT; r++) {
         float *orow = o + (long)r * D;
-        for (int d = 0; d < D; d++) orow[d] *= alpha[r];
-        for (int j = 0; j < nk; j++) {
-            const float pj = p[(long)r * BN + j];
-            for (int d = 0; d < D; d++) orow[d] += pj * vt[(long)j * D + d];
+        const float *prow = p + (long)r * BN;
+        for (int d0 = 0; d0 < D; d0 += 16) {  /* head_dim is a multiple of 16 */
+            float acc[16];
+            for (int d = 0; d < 16; d++) acc[d] = orow[d0 + d] * alpha[r];
+            for (int j = 0; j < nk; j++) {
+                const float pj = prow[j];
+                const float *vrow = vt + (long)j * D + d0;
+                for (int d = 0; d < 16; d++) acc[d] += pj * vrow[d];
+            }
+            memcpy(orow + d0, acc, sizeof acc);
         }
     }
 }

@@ -43,12 +43,13 @@ class TorchAttention:
 
     On CPU with fp32 or bf16, decode and prefill use the C kernels in kernels.cpu instead, which
     read the cache through the block table without the gather copy (prefill: flash attention,
-    kernels/cpu/prefill_attention.c).
+    kernels/cpu/prefill_attention.c, where the CPU has AVX-512: elsewhere SDPA is faster).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.cpu_kernels = cpu_kernels.load() is not None
+        self.prefill_kernel = self.cpu_kernels and cpu_kernels.prefill_kernel_vectorized()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,7 +95,7 @@ class TorchAttention:
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        if (self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES
+        if (self.prefill_kernel and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES
                 and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype
                 and self.head_dim % 16 == 0 and self.head_dim <= 256):
             # One call for every chunk, through the block tables: the new K/V are already stored.

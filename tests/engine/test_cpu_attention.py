@@ -73,7 +73,7 @@ def test_torch_gather_path_matches_reference(kv_heads, group, head_dim):
     q, kc, vc, tables, lens = paged_case(2, lengths, kv_heads, group, head_dim)
     scale = head_dim ** -0.5
     attn = TorchAttention(kv_heads * group, kv_heads, head_dim, scale)
-    attn.cpu_kernels = False
+    attn.cpu_kernels = attn.prefill_kernel = False
     empty = torch.zeros(0, dtype=torch.int32)
     decode_meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), len(lengths), tables, lens, 0, empty.view(0, 0),
                                     empty, empty, [], [], decode_max_context=max(lengths))
@@ -259,7 +259,8 @@ def test_c_prefill_kernel_fallbacks(flags, tmp_path):
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_uses_c_kernel_and_matches_sdpa_path(dtype, monkeypatch):
-    """TorchAttention._prefill calls the kernel for CPU fp32/bf16 and agrees with its SDPA path."""
+    """TorchAttention._prefill calls the kernel for CPU fp32/bf16 where the CPU has AVX-512 (SDPA
+    elsewhere: prefill_kernel_vectorized), and the kernel agrees with the SDPA path."""
     chunks = [(0, 40), (32, 21), (45, 19)]
     q, kc, vc, tables, starts, ctx = prefill_case(12, chunks, 2, 7, 64, dtype)
     ctx_host, qlens = ctx.tolist(), [n for _, n in chunks]
@@ -269,13 +270,15 @@ def test_prefill_uses_c_kernel_and_matches_sdpa_path(dtype, monkeypatch):
     meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), 0, empty.view(0, 0), empty, sum(qlens),
                              tables, starts, ctx, qlens, ctx_host)
     attn = TorchAttention(14, 2, 64, 0.125)
+    assert attn.prefill_kernel == cpu_kernels.prefill_kernel_vectorized()
+    attn.prefill_kernel = True  # the kernel's plain C loops are checked on any CPU
     calls = []
     real = cpu_kernels.paged_prefill_attention_cpu
     monkeypatch.setattr(cpu_kernels, "paged_prefill_attention_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ours = torch.empty_like(q)
     attn._prefill(q, knew, vnew, kc, vc, meta, ours)
     assert calls == [1]
-    attn.cpu_kernels = False
+    attn.cpu_kernels = attn.prefill_kernel = False
     sdpa = torch.empty_like(q)
     attn._prefill(q, knew, vnew, kc, vc, meta, sdpa)
     atol, rtol = prefill_tolerance(dtype)
