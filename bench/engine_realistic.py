@@ -660,9 +660,10 @@ def main() -> None:
     parser.add_argument("--modes", type=parse_list(tuple(MODES)), default=list(MODES), help="greedy,sampled")
     parser.add_argument("--quick", action="store_true", help="small workloads: a few minutes for S,M")
     parser.add_argument("--threads", type=int, default=2, help="threads for every runner")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="every runner's dtype (default bf16: what the M and L checkpoints hold, and what "
-                             "vLLM's CPU build runs by default)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="every runner's dtype (auto: bf16, what the M and L checkpoints hold and what vLLM's "
+                             "CPU build runs by default, where the CPU has bf16 instructions; else fp32, as "
+                             "Strata's dtype=auto: there bf16 matmuls are emulated, several times slower)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for every runner (GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, help="throughput requests (default: per shape)")
@@ -695,6 +696,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         parser.error("--threads and --repeats must be >= 1")
+    if args.dtype == "auto":
+        from services.engine.model_runner import cpu_has_native_bf16
+
+        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
 
     skipped = {}
     if "vllm" in args.runners:
