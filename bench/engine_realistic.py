@@ -147,6 +147,18 @@ def make_workloads(sizes: Sizes, ids: list[int], max_model_len: int, seed: int) 
 # ---------------------------------------------------------------- runner processes
 
 
+def cpu_model() -> dict:
+    """The CPU's name and the vector extensions that decide which kernels run (ratios differ by them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu": platform.processor()}
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", platform.processor()),
+            "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})}
+
+
 def machine_cpu_ticks() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
     with open("/proc/stat") as f:
@@ -720,7 +732,8 @@ def main() -> None:
     started = time.perf_counter()
     guard = NoiseGuard(args)
     shapes: dict[str, dict] = {}
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+               **cpu_model()}
     for key in args.shapes:
         shape_start = time.perf_counter()
         sizes = dataclasses.replace((QUICK if args.quick else FULL)[key], **overrides)
