@@ -219,6 +219,29 @@ def test_penalized_rows_draw_as_if_their_logits_were_penalized_first(extra):
     assert len(set(want)) > 3
 
 
+def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monkeypatch):
+    """More values tied with the k-th after the penalties than the merged candidates hold: the
+    rows must go the full-row way and draw only from the densely penalized rows' kept set (the
+    k-th value and its ties), seen and unseen ids alike."""
+    from services.engine import sampler as sampler_module
+    vocab, k, n = 3000, 5, 64
+    seen_ids = list(range(100, 100 + sampler_module.MERGED_TIE_ROOM + 40))
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3))
+    logits[:, seen_ids] = 8.0  # halved by the penalty: tied with the unseen 4.0s below
+    logits[:, 10:10 + k] = 4.0
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=i, repetition_penalty=2.0) for i in range(n)]
+    sampler = Sampler(vocab)
+    batch = sampler.prepare(rows(params, prompt=seen_ids))
+    kept = reference_set(sampler.apply_penalties(logits.clone(), batch)[0], top_k=k)
+    assert kept == set(seen_ids) | set(range(10, 10 + k))
+    full_rows = []
+    draw_full = Sampler._draw_full
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    drawn = sampler.sample(logits.clone(), batch).token_ids
+    assert sorted(full_rows) == list(range(n))
+    assert set(drawn) <= kept and set(drawn) & set(seen_ids) and len(set(drawn)) > n // 2
+
+
 def test_logprobs_only_for_rows_that_ask_and_from_the_raw_logits():
     vocab = 40
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
