@@ -73,16 +73,17 @@ class SampleResult:
 
 @dataclass
 class Penalties:
-    """The rows with a penalty and, for each, every id it has seen (prompt and output), sorted,
-    as one rectangle: a penalty changes only those ids' logits, so the sampler gathers them,
-    penalizes them in fp32, and never needs an fp32 copy of a whole row to do it. An id seen
-    twice appears twice (with the same count), and padding repeats the row's first id: writing
-    the penalized values back writes equal values for equal ids; `distinct` marks one of each."""
+    """The rows with a penalty and, for each, every distinct id it has seen (prompt and output,
+    in first-seen order: services.engine.seen_tokens), as one rectangle: a penalty changes only
+    those ids' logits, so the sampler gathers them, penalizes them in fp32, and never needs an
+    fp32 copy of a whole row to do it. Padding repeats the row's first id with its count, so
+    writing the penalized values back writes equal values for equal ids; `distinct` is False
+    there."""
 
     rows: torch.Tensor  # [p] row indices into the batch
     index: dict[int, int]  # batch row -> its row here
-    ids: torch.Tensor  # [p, L] seen ids, sorted per row
-    distinct: torch.Tensor  # [p, L] bool: the first occurrence of its id in the row
+    ids: torch.Tensor  # [p, L] seen ids
+    distinct: torch.Tensor  # [p, L] bool: not padding
     output_counts: torch.Tensor  # [p, L] fp32: how often the id occurs among the row's output tokens
     repetition: torch.Tensor | None  # [p, 1]; None when no row has one
     frequency: torch.Tensor | None  # [p, 1]; None (with presence) when no row has either
@@ -175,27 +176,15 @@ class Sampler:
     def _prepare_penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
         dev = self.device
         ps = [seqs[i].params for i in rows]
-        arrays = [seqs[i].token_array() for i in rows]
-        width = max(len(a) for a in arrays)
-        pad = np.iinfo(np.int64).max  # sorts last
-        ids = np.full((len(rows), width), pad, dtype=np.int64)
-        is_output = np.zeros((len(rows), width), dtype=np.float32)
-        for j, (i, a) in enumerate(zip(rows, arrays)):
-            ids[j, :len(a)] = a
-            is_output[j, seqs[i].num_prompt_tokens:len(a)] = 1.0
-        order = np.argsort(ids, axis=1, kind="stable")
-        ids = np.take_along_axis(ids, order, axis=1)
-        is_output = np.take_along_axis(is_output, order, axis=1)
-        ids = np.where(ids == pad, ids[:, :1], ids)  # padding: the row's first (smallest) id
-        distinct = np.ones_like(ids, dtype=bool)
-        distinct[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        # Every element's count of its id among the outputs: sum the flags over each run of equal
-        # ids (runs numbered across the whole rectangle), then read each element's run back.
-        run = np.cumsum(distinct.ravel()) - 1
-        counts = np.bincount(run, weights=is_output.ravel())[run].reshape(ids.shape).astype(np.float32)
-        for j, a in enumerate(arrays):  # padding: not distinct, and its id's count
-            distinct[j, len(a):] = False
-            counts[j, len(a):] = counts[j, 0]
+        seen = [seqs[i].seen_arrays() for i in rows]  # (distinct ids, output counts), kept per sequence
+        lengths = np.array([len(a) for a, _ in seen])
+        width = int(lengths.max())
+        ids = np.empty((len(rows), width), dtype=np.int64)
+        counts = np.empty((len(rows), width), dtype=np.float32)
+        for j, (a, c) in enumerate(seen):
+            ids[j, :len(a)], ids[j, len(a):] = a, a[0]
+            counts[j, :len(a)], counts[j, len(a):] = c, c[0]
+        distinct = np.arange(width)[None, :] < lengths[:, None]
 
         def column(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(dev)
@@ -397,8 +386,10 @@ class Sampler:
         local, prow = self._penalized_among(batch, rows)
         if local:
             pen = batch.penalties
-            best_seen, at = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF).max(dim=-1)
-            seen_id = pen.ids[prow].gather(1, at.view(-1, 1)).view(-1)  # ids sorted: the first of ties
+            values = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF)
+            best_seen = values.max(dim=-1).values
+            # The smallest id of the ties, as torch.argmax would pick (seen ids are not sorted).
+            seen_id = pen.ids[prow].masked_fill(values != best_seen[:, None], self.vocab_size).min(dim=-1).values
             unseen_id = chosen[local]
             best_unseen = x[local].gather(1, unseen_id.view(-1, 1)).view(-1).float()
             take = (best_seen > best_unseen) | ((best_seen == best_unseen) & (seen_id < unseen_id))

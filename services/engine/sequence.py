@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from services.engine.sampling_params import SamplingParams
+from services.engine.seen_tokens import SeenTokens
 from shared.block_hash import ROOT_HASH
 
 
@@ -39,6 +40,7 @@ class Sequence:
 
         self._token_array = np.empty(0, dtype=np.int64)  # token_ids as an array, extended lazily
         self._token_array_len = 0
+        self._seen: SeenTokens | None = None  # built on the first penalized step
         self.logprobs: list[dict] = []
         # Prompt logprobs (prompt_logprobs.PromptLogprob), for prompt tokens 1, 2, ... as computed.
         self.prompt_logprobs: list = []
@@ -85,6 +87,16 @@ class Sequence:
             self._token_array[self._token_array_len:n] = self.token_ids[self._token_array_len:n]
             self._token_array_len = n
         return self._token_array[:n]
+
+    def seen_tokens(self) -> SeenTokens:
+        """Its distinct ids and their output counts (what penalties read), brought up to date."""
+        if self._seen is None:
+            self._seen = SeenTokens()
+        self._seen.update(self.token_array(), self.num_prompt_tokens)
+        return self._seen
+
+    def seen_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.seen_tokens().arrays()
 
     @property
     def is_finished(self) -> bool:

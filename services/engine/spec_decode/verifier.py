@@ -35,6 +35,9 @@ class ExtendedSequence:
         base = self.seq.token_array()
         return np.concatenate([base, np.asarray(self.extra, dtype=np.int64)]) if self.extra else base
 
+    def seen_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.seq.seen_tokens().with_outputs(self.extra)
+
 
 @dataclass
 class _Group:
