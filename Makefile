@@ -22,7 +22,7 @@ up: install
 	$(VENV)/bin/strata up $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=30  # the slowest tests, in the CI log: the suite must fit its hour
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -137,7 +137,7 @@ class LoraFleetSim:
             return self.fleet[self.rr % len(self.fleet)]
         sample = {self.fleet[int(self.rng.random() * len(self.fleet))] for _ in range(self.cfg.route_choices)}
         if self.policy == "least_load":
-            return self.router.rank("least_load", list(sample))[0].replica
+            return self.router.least_loaded(list(sample))
         placed = self.placed.get(adapter, set())
         candidates = sample | {self.by_id[r] for r in placed} | self.holders.get(adapter, set())
         return self.router.rank("kv_aware", list(candidates), adapter=adapter, placed=placed)[0].replica

@@ -4,7 +4,7 @@
 Discrete events, one heap: a request's completion, a replica becoming ready, a scaler tick;
 arrivals come straight from the sorted trace. Per request the cost is O(d), whatever the fleet
 size: routing ranks a power-of-d sample (d=2 by default) of the replicas that have room with
-`Router.rank("least_load", sample)`, and a request's whole life on a replica is computed when it
+`Router.least_loaded(sample)`, and a request's whole life on a replica is computed when it
 starts (prefill after the replica's earlier prefills, then decode at a per-sequence speed), so
 it needs one completion event, not one per token. Fleet-wide figures (running, waiting, KV)
 are kept as running totals, so a scaler tick does not walk the fleet either. A day of traffic
@@ -45,6 +45,7 @@ import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -279,7 +280,7 @@ class FleetSim:
             sample = [open_[int(rand() * k)] for _ in range(d)]
         else:
             sample = open_
-        rep = self.router.rank("least_load", sample)[0].replica
+        rep = self.router.least_loaded(sample)
         if rep.running < rep.max_num_seqs and not rep.engine_queue and \
                 rep.kv_blocks_used + self.blocks[req] <= rep.kv_blocks_total:
             self._run(rep, req)
@@ -639,10 +640,11 @@ def _run_one(args: tuple[Experiment, str]) -> SimResult:
 
 def run_all(experiment: Experiment, scenarios=None, jobs: int = 1) -> dict[str, SimResult]:
     """Each scenario (default: all of the experiment's) on the same trace; `jobs` > 1 runs them
-    in parallel processes."""
+    in parallel processes (spawned: a forked copy of a process with threads, a test runner's or a
+    service's, may hang on a lock one of them held)."""
     work = [(experiment, s) for s in scenarios or experiment.scenarios]
     if jobs > 1 and len(work) > 1:
-        with ProcessPoolExecutor(min(jobs, len(work))) as pool:
+        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn")) as pool:
             results = list(pool.map(_run_one, work))
     else:
         results = [_run_one(w) for w in work]

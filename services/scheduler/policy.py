@@ -130,6 +130,13 @@ class Router:
             return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks, costs) for r in ordered]
         raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
 
+    def least_loaded(self, candidates: list[ReplicaState]) -> ReplicaState:
+        """rank("least_load", candidates)[0].replica, the same draw from the RNG, without
+        ordering the rest (the simulators route millions of requests through it)."""
+        shuffled = list(candidates)
+        self.rng.shuffle(shuffled)
+        return min(shuffled, key=lambda r: (r.load, r.kv_usage))
+
     def cost(self, r: ReplicaState, prompt_blocks: int, cached_blocks: int) -> float:
         prefill = prompt_blocks + 1 - cached_blocks  # the partial last block is always computed
         return prefill + self.load_weight * r.load

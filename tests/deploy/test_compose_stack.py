@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -386,7 +387,11 @@ def test_an_engine_container_killed_under_load_costs_no_stream(stack):
     migrated = asyncio.run(metric(stack.gateway, "strata:gateway_migrations_total", outcome="migrated"))
     failed = asyncio.run(metric(stack.gateway, "strata:gateway_migrations_total", outcome="failed"))
     FIGURES["engine_kill"] = {"streams": len(PROMPTS), "migrated": migrated - migrated_before, "failed": failed,
-                              "victim_state_after": json.loads(state.stdout).get("Status")}
+                              "victim_state_after": json.loads(state.stdout).get("Status"),
+                              # Where the fault-free run's streams ran and where these ended: one local
+                              # run saw no migration at all (did every stream miss the victim?).
+                              "reference_replicas": dict(Counter((r["strata"] or {}).get("replica_id") for r in reference)),
+                              "final_replicas": dict(Counter((r["strata"] or {}).get("replica_id") for r in results))}
     for ref, got, prompt in zip(reference, results, PROMPTS):
         assert got["error"] is None, (prompt, got["error"], stack.logs("gateway", "engine-cpu-2"))
         assert got["finish"] == "length" and got["usage"].completion_tokens == MAX_TOKENS, (prompt, got)

@@ -79,3 +79,17 @@ def test_requests_count_as_load_until_a_report_includes_them():
     assert r.unreported == [12] and r.load == 3
     r.acknowledged(9)  # acknowledged after a report that already counted it: not twice
     assert r.unreported == [12]
+
+
+def test_least_loaded_is_the_head_of_the_least_load_ranking_with_the_same_draws():
+    """The simulators' fast path picks what rank("least_load") puts first, ties included, and
+    leaves the RNG where rank leaves it, so a simulation's routing does not change."""
+    import random
+
+    rng = random.Random(7)
+    fast, full = Router(seed=3), Router(seed=3)
+    for _ in range(300):
+        reps = [ReplicaState(f"r{i}", running=rng.randint(0, 2), kv_blocks_used=rng.choice([0, 5]),
+                             kv_blocks_total=10) for i in range(rng.randint(1, 5))]
+        assert fast.least_loaded(reps) is full.rank("least_load", reps)[0].replica
+    assert fast.rng.random() == full.rng.random()
