@@ -122,7 +122,7 @@ BENCH_POOLS = Path(__file__).resolve().parents[2] / "bench" / "pools.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # a slow CI machine took more than 600 s for it run serially
+@pytest.mark.timeout(1200)  # run serially, it once took more than 600 s on a slow CI machine
 def test_a_bursty_day_over_three_pools_meets_the_targets():
     """The issue's experiment, as bench/pools.py runs it: a day of the bursty trace at up to
     1,000 replicas (6.6M requests) over bench/pools.yaml's three pools, whose
@@ -134,7 +134,7 @@ def test_a_bursty_day_over_three_pools_meets_the_targets():
     rate = 0.9 * 1000 * model.requests_per_s(traces.RequestSizes(), cfg.target_concurrency)
     e = Experiment(traces.generate("bursty", rate, traces.DAY_S, 0), model, cfg, seed=0)
     e.pools, e.placement = simulator.load_pools(BENCH_POOLS, e.load, e.tick_s)
-    # The three scenarios the targets name, side by side in processes: about 10 CPU-minutes.
+    # The three scenarios the targets name, side by side in processes: about 7 CPU-minutes here.
     results = simulator.run_all(e, ["pooled", "single-pool", "oracle"], jobs=3)
     m = {name: r.metrics for name, r in results.items()}
     for r in m.values():

@@ -1,5 +1,6 @@
 """Routing policies and prefix overlap: pure logic, no I/O."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -84,8 +85,6 @@ def test_requests_count_as_load_until_a_report_includes_them():
 def test_least_loaded_is_the_head_of_the_least_load_ranking_with_the_same_draws():
     """The simulators' fast path picks what rank("least_load") puts first, ties included, and
     leaves the RNG where rank leaves it, so a simulation's routing does not change."""
-    import random
-
     rng = random.Random(7)
     fast, full = Router(seed=3), Router(seed=3)
     for _ in range(300):
