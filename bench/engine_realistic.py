@@ -40,6 +40,7 @@ writes bench/results/engine_realistic.json (after every shape) and bench/results
     python bench/engine_realistic.py                          # everything (about 75 minutes on 2 cores)
     python bench/engine_realistic.py --shapes S,M --quick     # a few minutes
     python bench/engine_realistic.py --shapes L --runners strata,vllm --decode-batches 32,64
+    python bench/engine_realistic.py --device cuda --shapes M,L --runners strata,hf-static,hf-cb  # a GPU, bf16
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ def cpu_model() -> dict:
             "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})}
 
 
+def gpu_model(device: str) -> dict:
+    """The GPU's name and memory, and the torch/CUDA versions, when the runners run on one."""
+    if device == "cpu":
+        return {}
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
 def machine_cpu_ticks() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
     with open("/proc/stat") as f:
@@ -239,9 +251,9 @@ def vllm_python(venv: str) -> tuple[Path | None, str]:
 
 
 def runner_command(name: str, job_path: Path, args) -> tuple[list[str], dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(thread_env(args.threads))
-    if name == "vllm":
+    env = dict(os.environ, **thread_env(args.threads))
+    if name == "vllm":  # its own venv: nothing of Strata's on its path
+        env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         python, _ = vllm_python(args.vllm_venv)
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
                     "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpu_bind or (
@@ -383,7 +395,7 @@ def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str
     job = {"model": str(model_dir), "threads": args.threads, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
            "max_num_seqs": max(64, *sizes.decode_batches), "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": max_model_len, "modes": modes, "workloads": workloads, "warmup": warmup,
-           "run_timeout_s": args.run_timeout, "vllm_enforce_eager": args.vllm_enforce_eager}
+           "run_timeout_s": args.run_timeout, "vllm_enforce_eager": args.vllm_enforce_eager, "device": args.device}
     job_path = log_dir / f"job-{key}.json"
     job_path.write_text(json.dumps(job))
     print(f"\n== {key}: {config['architectures'][0]}, {shape.num_params() / 1e6:.1f}M parameters, vocab "
@@ -394,6 +406,8 @@ def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str
               "sizes": dataclasses.asdict(sizes), "max_model_len": max_model_len, "runners": {},
               "skipped": dict(skipped), "runs": {m: {w["name"]: {} for w in workloads} for m in modes}}
     interleave = args.interleave
+    if interleave == "auto" and args.device != "cpu":  # GPU memory holds every runner's weights and KV budget
+        interleave = "yes"
     if interleave == "auto":  # every runner holds the weights (and a copy or two while loading) and the KV budget
         need = len(runners) * (shape.num_params() * DTYPE_BYTES[args.dtype] * 2 + (args.kv_cache_gib << 30))
         interleave = "yes" if need < 0.7 * available_memory() else "no"
@@ -571,7 +585,8 @@ PHASE_COLORS = {"forward": "#1f77b4", "sample": "#d62728", "prepare": "#ff7f0e",
                 "detokenize": "#2ca02c", "bookkeeping": "#8c564b", "other": "#c7c7c7"}
 
 
-def plot(shapes: dict, path: Path, threads: int) -> None:
+def plot(shapes: dict, path: Path, where: str) -> None:
+    """`where`: the machine, as the title says it ("on the CPU, 2 threads each, float32")."""
     plt = pyplot()
     if plt is None:
         return
@@ -631,7 +646,7 @@ def plot(shapes: dict, path: Path, threads: int) -> None:
                      f"dotted: sampling target {TARGET_SAMPLE_SHARE:.0%})", fontsize=9)
         if row == 0:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"Strata vs vLLM (CPU) vs Hugging Face, {threads} threads each, same prompts", fontsize=12)
+    fig.suptitle(f"Strata vs vLLM (CPU) vs Hugging Face {where}, same prompts", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -672,6 +687,8 @@ def main() -> None:
     parser.add_argument("--modes", type=parse_list(tuple(MODES)), default=list(MODES), help="greedy,sampled")
     parser.add_argument("--quick", action="store_true", help="small workloads: a few minutes for S,M")
     parser.add_argument("--threads", type=int, default=2, help="threads for every runner")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N for the Strata and Hugging Face runners (vLLM's CPU build: cpu only)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="every runner's dtype (auto: bf16, what the M and L checkpoints hold and what vLLM's "
                              "CPU build runs by default, where the CPU has bf16 instructions; else fp32, as "
@@ -711,10 +728,13 @@ def main() -> None:
     if args.dtype == "auto":
         from services.engine.model_runner import cpu_has_native_bf16
 
-        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+        args.dtype = "bfloat16" if args.device != "cpu" or cpu_has_native_bf16() else "float32"
 
     skipped = {}
-    if "vllm" in args.runners:
+    if "vllm" in args.runners and args.device != "cpu":
+        skipped["vllm"] = f"vLLM's CPU build does not run on {args.device}"
+        print(f"skipping the vllm runner: {skipped['vllm']}")
+    elif "vllm" in args.runners:
         python, why = vllm_python(args.vllm_venv)
         if python is None:
             print(f"skipping the vllm runner: {why}")
@@ -726,14 +746,15 @@ def main() -> None:
         "decode_batches": args.decode_batches, "decode_prompt_len": args.decode_prompt_len,
         "decode_tokens": args.decode_tokens, "repeats": args.repeats}.items() if v is not None}
     log_dir = Path(tempfile.mkdtemp(prefix="engine_realistic_"))
-    print(f"runners {', '.join(runners)}; {args.threads} threads each; {args.dtype}; runner logs in {log_dir}",
+    print(f"runners {', '.join(runners)} on {args.device}; {args.threads} threads each; {args.dtype}; "
+          f"runner logs in {log_dir}",
           flush=True)
 
     started = time.perf_counter()
     guard = NoiseGuard(args)
     shapes: dict[str, dict] = {}
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               **cpu_model()}
+               "device": args.device, **cpu_model(), **gpu_model(args.device)}
     for key in args.shapes:
         shape_start = time.perf_counter()
         sizes = dataclasses.replace((QUICK if args.quick else FULL)[key], **overrides)
@@ -755,7 +776,9 @@ def main() -> None:
     write_results(args.out, args, {"machine": machine, "wall_s": wall, "noise_spent_s": guard.spent,
                                    "shapes": shapes, "targets": checks})
     if shapes:
-        plot(shapes, Path(args.png), args.threads)
+        where = (f"on the CPU, {args.threads} threads each" if args.device == "cpu"
+                 else f"on {machine.get('gpu', args.device)}")
+        plot(shapes, Path(args.png), f"{where}, {args.dtype}")
     failed = any(set(res["skipped"]) - set(skipped) or any(
         "error" in run for runs in res["runs"].values() for per_runner in runs.values() for run in per_runner.values())
         for res in shapes.values())

@@ -38,7 +38,7 @@ class StrataRunner:
         block_size = 16
         # The KV budget in blocks, as the other runners get it (Strata's own sizing reads free memory).
         blocks = (job["kv_cache_gib"] << 30) // (block_size * kv_bytes_per_token(job["model"], job["dtype"]))
-        self.llm = LLM(job["model"], max_num_seqs=job["max_num_seqs"],
+        self.llm = LLM(job["model"], device=job["device"], max_num_seqs=job["max_num_seqs"],
                        max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
                        enable_prefix_caching=False, dtype=job["dtype"], num_threads=job["threads"],
                        block_size=block_size, num_kv_blocks=blocks)
@@ -82,9 +82,9 @@ class HfRunner:
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(job["threads"])
-        self.name, self.job = name, job
+        self.name, self.job, self.device = name, job, torch.device(job["device"])
         self.model = AutoModelForCausalLM.from_pretrained(job["model"], local_files_only=True,
-                                                          dtype=DTYPES[job["dtype"]]).eval()
+                                                          dtype=DTYPES[job["dtype"]]).to(self.device).eval()
         self.model.generation_config.eos_token_id = None  # every request ignores EOS
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.modes, self.warmup_prompts = job["modes"], job["warmup"]
@@ -121,8 +121,10 @@ class HfRunner:
             if seed is not None:
                 torch.manual_seed(seed + start)
             longest = max(wants)
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=longest, pad_token_id=self.pad_id,
-                                      **sampling)
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=longest,
+                                      pad_token_id=self.pad_id, **sampling)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the timed call ends when the device is done
             if out.shape[1] != width + longest:
                 raise RuntimeError(f"generate stopped after {out.shape[1] - width} of {longest} tokens")
             useful += sum(wants)

@@ -17,6 +17,7 @@ Weight scales follow the tiny model's, scaled by 1/sqrt(fan_in) so that activati
 size at every width: attention far from uniform, logits spread (std ~4), no near-ties under greedy.
 
     python -m shared.realistic_models M L          # build (or find) the M and L models, print their paths
+    python -m shared.realistic_models M L --tokenizers DIR   # with tokenizers trained elsewhere
 """
 
 from __future__ import annotations
@@ -234,20 +235,36 @@ def _fill_weights(model, shape: ModelShape) -> None:
             param.copy_(value)
 
 
-def _manifest(shape: ModelShape, digest: str, max_corpus_bytes: int | None) -> dict:
+def _manifest(shape: ModelShape, digest: str | None, max_corpus_bytes: int | None) -> dict:
     return {"kind": "realistic", "builder_version": BUILDER_VERSION, "shape": asdict(shape),
             "tokenizer_corpus_sha256": digest, "max_corpus_bytes": max_corpus_bytes}
 
 
-def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
+def load_bpe(path: str | Path, vocab_size: int):
+    """A tokenizer train_bpe saved (STRATA_HOME/tokenizers/bpe-*.json), carried to a machine where training
+    it again would take long or see other package versions; returns (tokenizers.Tokenizer, file SHA-256)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"{path} has {tokenizer.get_vocab_size():,} tokens, not {vocab_size:,}")
+    return tokenizer, hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | None = None,
+               tokenizer_file: str | Path | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir.
+    The tokenizer is trained (train_bpe) unless `tokenizer_file` names one it saved."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(out_dir)
-    tokenizer, digest = train_bpe(shape.vocab_size, shape.chat_style, max_corpus_bytes)
+    if tokenizer_file is not None:
+        tokenizer, digest = load_bpe(tokenizer_file, shape.vocab_size)
+    else:
+        tokenizer, digest = train_bpe(shape.vocab_size, shape.chat_style, max_corpus_bytes)
     config = _config(shape, tokenizer)
     torch.manual_seed(shape.seed)  # transformers' own init runs first; the weights are ours below
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -267,7 +284,10 @@ def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | N
     try:
         hf_tokenizer(tokenizer, shape.chat_style, shape.max_position).save_pretrained(tmp)
         model.save_pretrained(tmp, max_shard_size="20GB")  # one file: model.safetensors
-        (tmp / "strata_model.json").write_text(json.dumps(_manifest(shape, digest, max_corpus_bytes), indent=1))
+        manifest = _manifest(shape, None if tokenizer_file else digest, max_corpus_bytes)
+        if tokenizer_file is not None:
+            manifest["tokenizer_file_sha256"] = digest
+        (tmp / "strata_model.json").write_text(json.dumps(manifest, indent=1))
         tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is for every reader
         if out.exists():
             shutil.rmtree(out)
@@ -278,7 +298,7 @@ def make_model(shape: ModelShape, out_dir: str | Path, max_corpus_bytes: int | N
 
 
 def ensure_model(shape: str | ModelShape, out_dir: str | Path | None = None,
-                 max_corpus_bytes: int | None = None) -> Path:
+                 max_corpus_bytes: int | None = None, tokenizer_file: str | Path | None = None) -> Path:
     """The model directory for a shape ("S", "M", "L" or a ModelShape), built on first use; rebuilt when
     what is there was built from another shape or builder version."""
     if isinstance(shape, str):
@@ -293,7 +313,7 @@ def ensure_model(shape: str | ModelShape, out_dir: str | Path | None = None,
         built = json.loads(manifest.read_text())
         if built.get("builder_version") == BUILDER_VERSION and built.get("shape") == asdict(shape):
             return out
-    return make_model(shape, out, max_corpus_bytes)
+    return make_model(shape, out, max_corpus_bytes, tokenizer_file)
 
 
 def scaled(shape: ModelShape, **changes) -> ModelShape:
@@ -306,9 +326,19 @@ def scaled(shape: ModelShape, **changes) -> ModelShape:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES), help="shapes to build (or find)")
+    parser.add_argument("--tokenizers", type=Path,
+                        help="a folder of tokenizers train_bpe saved (bpe-<style>-<vocab>-*.json), used instead of "
+                             "training them")
     args = parser.parse_args(argv)
     for key in args.shapes:
-        path = ensure_model(key)
+        tokenizer_file = None
+        if args.tokenizers is not None and key != "S":
+            shape = SHAPES[key]
+            found = sorted(args.tokenizers.glob(f"bpe-{shape.chat_style}-{shape.vocab_size}-*.json"))
+            if not found:
+                parser.error(f"no bpe-{shape.chat_style}-{shape.vocab_size}-*.json in {args.tokenizers}")
+            tokenizer_file = found[0]
+        path = ensure_model(key, tokenizer_file=tokenizer_file)
         print(f"{key} {path} ({SHAPES[key].num_params() / 1e6:.1f}M parameters)")
 
 

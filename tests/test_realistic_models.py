@@ -93,3 +93,21 @@ def test_a_corpus_too_small_for_the_vocabulary_is_refused(home, tmp_path):
     with pytest.raises(RuntimeError, match="yields only"):
         ensure_model(scaled(SHAPES["M"], num_kv_heads=2, **{**SMALL, "vocab_size": 60_000}), tmp_path / "big",
                      max_corpus_bytes=200_000)
+
+
+def test_a_carried_tokenizer_builds_the_same_model_without_training(home, llama_dir, tmp_path, monkeypatch):
+    """What a machine lent for minutes does (bench/gpu_checks.sh): the tokenizer trained here, carried
+    there, gives the same model; the manifest names the file rather than a corpus."""
+    import shared.realistic_models as rm
+
+    shape = scaled(SHAPES["M"], num_kv_heads=2, **SMALL)
+    [saved] = (home / "tokenizers").glob(f"bpe-llama-{shape.vocab_size}-*.json")
+    monkeypatch.setattr(rm, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    carried = ensure_model(shape, tmp_path / "carried", tokenizer_file=saved)
+    assert (carried / "tokenizer.json").read_text() == (llama_dir / "tokenizer.json").read_text()
+    a, b = load_file(carried / "model.safetensors"), load_file(llama_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((carried / "strata_model.json").read_text())
+    assert manifest["tokenizer_corpus_sha256"] is None and len(manifest["tokenizer_file_sha256"]) == 64
+    with pytest.raises(ValueError, match="not 1,600"):
+        ensure_model(scaled(shape, vocab_size=1600), tmp_path / "other", tokenizer_file=saved)

@@ -97,6 +97,11 @@ def prefix_overlaps(holders: list[set[str]], replica_ids: list[str]) -> dict[str
     return overlap
 
 
+def _load_key(r: ReplicaState) -> tuple[int, float]:
+    """least_load's order: fewest requests in flight, then the emptiest KV cache."""
+    return (r.load, r.kv_usage)
+
+
 class Router:
     """Chooses replicas; holds only the round-robin cursor and a seeded RNG for ties."""
 
@@ -121,7 +126,7 @@ class Router:
             ordered = ordered[start:] + ordered[:start]
             return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks) for r in ordered]
         if policy == "least_load":
-            ordered = sorted(shuffled, key=lambda r: (r.load, r.kv_usage))
+            ordered = sorted(shuffled, key=_load_key)
             return [Decision(r, policy, overlaps.get(r.replica_id, 0), prompt_blocks) for r in ordered]
         if policy == "kv_aware":
             costs = {r.replica_id: self.cost(r, prompt_blocks, overlaps.get(r.replica_id, 0))
@@ -135,7 +140,7 @@ class Router:
         ordering the rest (the simulators route millions of requests through it)."""
         shuffled = list(candidates)
         self.rng.shuffle(shuffled)
-        return min(shuffled, key=lambda r: (r.load, r.kv_usage))
+        return min(shuffled, key=_load_key)
 
     def cost(self, r: ReplicaState, prompt_blocks: int, cached_blocks: int) -> float:
         prefill = prompt_blocks + 1 - cached_blocks  # the partial last block is always computed
