@@ -92,8 +92,8 @@ def body_strategy(name: str):
 @pytest.mark.parametrize("path,schema", [("/v1/completions", "CompletionRequest"),
                                          ("/v1/chat/completions", "ChatCompletionRequest")])
 def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(stack, path, schema):
-    # 120 bodies per path in CI (the suite must fit its hour); STRATA_FUZZ_EXAMPLES=2000 for a longer hunt.
-    @settings(max_examples=int(os.environ.get("STRATA_FUZZ_EXAMPLES", "120")), deadline=None, database=None,
+    # 80 bodies per path in CI (the suite must fit its hour); STRATA_FUZZ_EXAMPLES=2000 for a longer hunt.
+    @settings(max_examples=int(os.environ.get("STRATA_FUZZ_EXAMPLES", "80")), deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=body_strategy(schema))
     def fuzz(body):

@@ -9,17 +9,20 @@ llm-compressor's weight-only schemes would have saved from the same checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
-from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-from compressed_tensors.quantization.utils import calculate_qparams
+
+if TYPE_CHECKING:  # compressed-tensors is imported where it is used: it costs seconds at every engine start
+    from compressed_tensors.quantization import QuantizationArgs
 
 INT4_GROUP_SIZE = 128
 
 
 def scheme_args(name: str) -> QuantizationArgs:
     """The weight scheme of `quantization=name` for quantize-on-load (symmetric, static)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+
     if name == "int8":
         return QuantizationArgs(num_bits=8, type=QuantizationType.INT, strategy=QuantizationStrategy.CHANNEL,
                                 symmetric=True)
@@ -60,6 +63,10 @@ def check_shape(n: int, k: int, bits: int, group_size: int, where: str) -> None:
 
 def quantize(weight: torch.Tensor, args: QuantizationArgs, where: str = "weight") -> QuantizedWeight:
     """Quantize a [out, in] weight as compressed-tensors does (static min/max observer)."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     n, k = weight.shape
     if args.strategy == QuantizationStrategy.GROUP:
         group = args.group_size
@@ -80,6 +87,10 @@ def quantize(weight: torch.Tensor, args: QuantizationArgs, where: str = "weight"
 def quantize_fp8(weight: torch.Tensor, where: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 e4m3 weights with one scale per output channel (compressed-tensors' FP8 weights):
     (float8_e4m3fn [out, in], fp32 scales [out])."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     args = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.CHANNEL,
                             symmetric=True)
     if weight.dim() != 2:
