@@ -21,12 +21,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from services.engine.model_config import ModelConfig
-
-if TYPE_CHECKING:  # torch only where weights are read: the gateway checks adapters without it
-    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -168,7 +166,6 @@ class LoRAWeights:
 def load_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
                  dtype: torch.dtype) -> LoRAWeights:
     """Check, then read an adapter into padded, scaled, fused matrices of `dtype` (on the host)."""
-    import torch
     from safetensors import safe_open
 
     info = inspect_adapter(path, config, max_lora_rank)
