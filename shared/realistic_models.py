@@ -130,6 +130,11 @@ def read_corpus(max_bytes: int | None = None) -> tuple[list[str], str]:
     return texts, digest.hexdigest()
 
 
+def tokenizer_file_name(style: str, vocab_size: int, digest: str) -> str:
+    """How train_bpe names a trained tokenizer under STRATA_HOME/tokenizers (digest "*": any)."""
+    return f"bpe-{style}-{vocab_size}-{digest}.json"
+
+
 def train_bpe(vocab_size: int, style: str, max_corpus_bytes: int | None = None):
     """A byte-level BPE with exactly `vocab_size` tokens; returns (tokenizers.Tokenizer, corpus digest).
 
@@ -139,7 +144,7 @@ def train_bpe(vocab_size: int, style: str, max_corpus_bytes: int | None = None):
 
     specials = LLAMA_SPECIALS if style == "llama" else CHATML_SPECIALS
     texts, digest = read_corpus(max_corpus_bytes)
-    cache = default_home() / "tokenizers" / f"bpe-{style}-{vocab_size}-{digest[:16]}.json"
+    cache = default_home() / "tokenizers" / tokenizer_file_name(style, vocab_size, digest[:16])
     if cache.exists():
         return Tokenizer.from_file(str(cache)), digest
 
@@ -327,16 +332,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES), help="shapes to build (or find)")
     parser.add_argument("--tokenizers", type=Path,
-                        help="a folder of tokenizers train_bpe saved (bpe-<style>-<vocab>-*.json), used instead of "
-                             "training them")
+                        help="a folder of tokenizers train_bpe saved (its STRATA_HOME/tokenizers), used instead "
+                             "of training them")
     args = parser.parse_args(argv)
     for key in args.shapes:
         tokenizer_file = None
         if args.tokenizers is not None and key != "S":
             shape = SHAPES[key]
-            found = sorted(args.tokenizers.glob(f"bpe-{shape.chat_style}-{shape.vocab_size}-*.json"))
+            pattern = tokenizer_file_name(shape.chat_style, shape.vocab_size, "*")
+            found = sorted(args.tokenizers.glob(pattern))
             if not found:
-                parser.error(f"no bpe-{shape.chat_style}-{shape.vocab_size}-*.json in {args.tokenizers}")
+                parser.error(f"no {pattern} in {args.tokenizers}")
             tokenizer_file = found[0]
         path = ensure_model(key, tokenizer_file=tokenizer_file)
         print(f"{key} {path} ({SHAPES[key].num_params() / 1e6:.1f}M parameters)")

@@ -101,7 +101,7 @@ def test_a_carried_tokenizer_builds_the_same_model_without_training(home, llama_
     import shared.realistic_models as rm
 
     shape = scaled(SHAPES["M"], num_kv_heads=2, **SMALL)
-    [saved] = (home / "tokenizers").glob(f"bpe-llama-{shape.vocab_size}-*.json")
+    [saved] = (home / "tokenizers").glob(rm.tokenizer_file_name("llama", shape.vocab_size, "*"))
     monkeypatch.setattr(rm, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
     carried = ensure_model(shape, tmp_path / "carried", tokenizer_file=saved)
     assert (carried / "tokenizer.json").read_text() == (llama_dir / "tokenizer.json").read_text()
