@@ -29,12 +29,17 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def _keep_freed_memory_on_cpu() -> None:
     """Per-step tensors of a few MB would otherwise be mmap'ed and unmapped by glibc every step,
-    and the page faults cost more than the attention itself. Keep them on the heap."""
+    and the page faults cost more than the attention itself. Keep them on the heap, whatever
+    their size: glibc maps anything over 32 MB anew however high its threshold is set, and a
+    prefill chunk's activations pass that (2048 rows of Qwen2.5-0.5B's gate_up are 40 MB: 240k
+    faults in bench/engine_realistic.py's L throughput run, about 7% of its time). Without mmap
+    the main heap grows by brk, or by mmap where brk cannot (glibc's fallback)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6")
             libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
             libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (glibc's maximum)
+            libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation is mmap'ed
         except OSError:
             pass
 
