@@ -69,7 +69,9 @@ def _build() -> ctypes.CDLL | None:
     for suffix in ("f32", "bf16"):
         for cache in ("", "i8_"):  # caches in the model's dtype, or int8 with their scales
             fn = getattr(lib, f"strata_paged_decode_attention_{cache}{suffix}")
-            fn.restype, fn.argtypes = ctypes.c_int, [p] * 6 + [i] * 6 + [f, i, p, p]
+            fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, p, p, n] + [i] * 6 + [f, i, p, p]
+        fn = getattr(lib, f"strata_store_kv_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, n, p, n, p, p, n, n]
         fn = getattr(lib, f"strata_rms_norm_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, p, n, p, p, n, n, i, f, i]
         fn = getattr(lib, f"strata_rotary_{suffix}")
@@ -97,52 +99,98 @@ KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def load() -> ctypes.CDLL | None:
     global _lib, _tried
+    if _tried:  # every op asks: no lock once the build is settled (_tried is set after _lib)
+        return _lib
     with _lock:
         if not _tried:
-            _tried = True
             if os.environ.get("STRATA_DISABLE_CPU_KERNELS") != "1":
                 try:
                     _lib = _build()
                 except OSError:
                     _lib = None
+            _tried = True
         return _lib
+
+
+def _token_stride(t: torch.Tensor, name: str) -> int:
+    """Elements from one token to the next of a [tokens, heads, head_dim] tensor whose heads are
+    contiguous (a view into the fused qkv projection qualifies)."""
+    if t.dim() != 3 or (t.shape[0] and (t.stride(2) != 1 or t.stride(1) != t.shape[2])):
+        raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads")
+    return t.stride(0)
+
+
+class PagedDecode:
+    """One step's decode attention over the paged cache (kernels/cpu/paged_attention.c): the
+    block tables and context lengths are checked and converted once, so each layer's call passes
+    only its query, caches and output. Same contract as the Triton kernel."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
+        self.lib = load()
+        if self.lib is None:
+            raise RuntimeError("CPU kernels unavailable (no C compiler)")
+        self.block_tables = block_tables.to(torch.int32).contiguous()
+        self.context_lens = context_lens.to(torch.int32).contiguous()
+        self.batch = self.context_lens.numel()
+        self.max_blocks = self.block_tables.shape[1] if self.block_tables.dim() == 2 else 0
+        self.scale, self.threads = float(scale), torch.get_num_threads()
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """query [batch, num_heads, head_dim] (fp32 or bf16, heads contiguous, any token stride);
+        caches [num_blocks, block_size, num_kv_heads, head_dim] of its dtype, or int8 with their
+        fp32 scales [num_blocks, block_size, num_kv_heads]. Writes into `out` (same layout rules)."""
+        int8 = k_cache.dtype == torch.int8
+        cache_dtype = torch.int8 if int8 else query.dtype
+        if (query.dtype not in KERNEL_DTYPES or query.device.type != "cpu" or query.shape[0] != self.batch
+                or any(c.dtype != cache_dtype or c.device.type != "cpu" or not c.is_contiguous()
+                       for c in (k_cache, v_cache))):
+            raise ValueError("paged_decode_attention (CPU) takes fp32 or bf16 CPU tensors of one dtype (or int8 "
+                             "caches), one query row per sequence, contiguous caches")
+        if int8 and (k_scales is None or v_scales is None or any(
+                s.dtype != torch.float32 or not s.is_contiguous() or s.shape != k_cache.shape[:3]
+                for s in (k_scales, v_scales))):
+            raise ValueError("int8 caches need contiguous fp32 scales of shape [num_blocks, block_size, num_kv_heads]")
+        out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError("paged_decode_attention (CPU): out must match the query")
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        rc = getattr(self.lib, f"strata_paged_decode_attention_{'i8_' if int8 else ''}{KERNEL_DTYPES[query.dtype]}")(
+            query.data_ptr(), _token_stride(query, "query"), k_cache.data_ptr(), v_cache.data_ptr(),
+            self.block_tables.data_ptr(), self.context_lens.data_ptr(), out.data_ptr(), _token_stride(out, "out"),
+            self.batch, num_heads, num_kv_heads, head_dim, block_size, self.max_blocks, self.scale, self.threads,
+            k_scales.data_ptr() if int8 else None, v_scales.data_ptr() if int8 else None)
+        if rc != 0:
+            raise RuntimeError(f"paged_decode_attention (CPU) failed with code {rc}")
+        return out
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention over the paged cache (fp32 or bf16 CPU tensors, all of one dtype; or
-    int8 caches with their fp32 scales [num_blocks, block_size, num_kv_heads] under an fp32 or
-    bf16 query); same contract as the Triton kernel."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("CPU kernels unavailable (no C compiler)")
-    int8 = k_cache.dtype == torch.int8
-    cache_dtype = torch.int8 if int8 else query.dtype
-    for t in (query, k_cache, v_cache):
-        if (t.dtype != (query.dtype if t is query else cache_dtype) or query.dtype not in KERNEL_DTYPES
-                or t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError("paged_decode_attention (CPU) takes contiguous fp32 or bf16 CPU tensors of one dtype, "
-                             "or int8 caches")
-    if int8:
-        if k_scales is None or v_scales is None or any(
-                s.dtype != torch.float32 or not s.is_contiguous() or s.shape != k_cache.shape[:3]
-                for s in (k_scales, v_scales)):
-            raise ValueError("int8 caches need contiguous fp32 scales of shape [num_blocks, block_size, num_kv_heads]")
-    block_tables = block_tables.to(torch.int32).contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
-    batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(query) if out is None else out
-    rc = getattr(lib, f"strata_paged_decode_attention_{'i8_' if int8 else ''}{KERNEL_DTYPES[query.dtype]}")(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1] if block_tables.dim() == 2 else 0, float(scale), torch.get_num_threads(),
-        k_scales.data_ptr() if int8 else None, v_scales.data_ptr() if int8 else None)
+    """Decode attention over the paged cache, one call (PagedDecode has the contract)."""
+    return PagedDecode(block_tables, context_lens, scale)(query, k_cache, v_cache, out, k_scales, v_scales)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache.view(-1, Hkv, D)[slot_mapping] = k (and v), in one call: k and v [tokens, Hkv, D]
+    with contiguous heads and any token stride (views into the fused qkv), caches of their dtype."""
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.dtype in KERNEL_DTYPES
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        raise ValueError("store_kv takes K/V rows and contiguous caches of one fp32 or bf16 dtype, int64 slots")
+    row = k_cache.shape[2] * k_cache.shape[3]
+    if k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape or slot_mapping.numel() != k.shape[0]:
+        raise ValueError("store_kv: one slot per K/V row, rows shaped like the cache's")
+    rc = getattr(load(), f"strata_store_kv_{KERNEL_DTYPES[k.dtype]}")(
+        k.data_ptr(), _token_stride(k, "k"), v.data_ptr(), _token_stride(v, "v"), slot_mapping.data_ptr(),
+        k.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // row, row)
     if rc != 0:
-        raise RuntimeError(f"paged_decode_attention (CPU) failed with code {rc}")
-    return out
+        raise IndexError("store_kv: a slot is outside the cache")
 
 
 @functools.cache
@@ -223,18 +271,29 @@ def _rows(t: torch.Tensor) -> tuple[int, int]:
     return rows, (t.stride(-2) if t.dim() > 1 else t.shape[-1])
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the layer-op kernels take these tensors (CPU, one fp32/bf16 dtype, built)."""
+def supports(*tensors: torch.Tensor | None) -> bool:
+    """Whether the layer-op kernels take these tensors (CPU, one fp32/bf16 dtype, built); None
+    (an absent operand) is taken."""
     t0 = tensors[0]
     return (load() is not None and t0.dtype in KERNEL_DTYPES
-            and all(t.device.type == "cpu" and t.dtype == t0.dtype for t in tensors))
+            and all(t is None or (t.device.type == "cpu" and t.dtype == t0.dtype) for t in tensors))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension; with `residual`, residual += x first (in place) and the
     norm reads the sum. Returns `out` (a new contiguous tensor unless given; may be x)."""
-    lib = load()
+    lib, hidden = load(), x.shape[-1]
+    if out is None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        # The model's rows, twice a layer: the checks kept to what this case needs (each
+        # microsecond here is paid 2 x layers times a step).
+        if weight.numel() != hidden or not weight.is_contiguous() or (residual is not None and residual.shape != x.shape):
+            raise ValueError("rms_norm: shapes do not match")
+        out = torch.empty_like(x)
+        getattr(lib, f"strata_rms_norm_{KERNEL_DTYPES[x.dtype]}")(
+            x.data_ptr(), hidden, None if residual is None else residual.data_ptr(), hidden, weight.data_ptr(),
+            out.data_ptr(), hidden, x.numel() // hidden if hidden else 0, hidden, float(eps), torch.get_num_threads())
+        return out
     if x.stride(-1) != 1 or (x.dim() > 2 and not all(x.stride(d - 1) == x.stride(d) * x.shape[d]
                                                        for d in range(1, x.dim() - 1))):
         x = x.contiguous()  # e.g. per-head norms of a view into the fused qkv
@@ -274,7 +333,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] (SwiGLU over a fused gate/up projection)."""
     x = x.contiguous()
     d = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    out = x.new_empty((*x.shape[:-1], d))
     getattr(load(), f"strata_silu_and_mul_{KERNEL_DTYPES[x.dtype]}")(
         x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1] if x.numel() else 0, d, torch.get_num_threads())
     return out

@@ -60,11 +60,86 @@ static void scores16_i8(const float *q, const int8_t *k, long row, int head_dim,
 #define Q_NATIVE(qf, qb) (qb)
 #define Q_FP32(qf, qb) (qf)
 
+/* Blocks fetched ahead of the one being read (see DEFINE_SPAN). */
+#define PREFETCH_BLOCKS 2
+
+/* A block being fetched ahead of use, a few cache lines at a time between the loads that
+ * compute: a whole block's prefetches at once (128 lines of a bf16 block of 16 rows x 4 KV heads
+ * x 64) would fill the core's miss buffers and stall it until most of them arrive. */
+typedef struct { const char *next, *end; } prefetch_cursor;
+
+static inline void prefetch_lines(prefetch_cursor *c, long lines) {
+    for (; lines > 0 && c->next < c->end; lines--, c->next += 64) __builtin_prefetch(c->next);
+}
+
+/* Finish the block being fetched, then start on `block` (NULL: nothing more). */
+static inline void prefetch_restart(prefetch_cursor *c, const void *block, long bytes) {
+    prefetch_lines(c, (c->end - c->next + 63) / 64);
+    c->next = (const char *)block;
+    c->end = block ? c->next + bytes : c->next;
+}
+
+/* Block i of a span's stream, its K blocks then its V blocks; NULL past the end. */
+#define STREAM_BLOCK(i)                                                                            \
+    ((i) >= 2 * span_blocks ? (const void *)0                                                       \
+     : (const void *)((const char *)((i) < span_blocks ? (const void *)k_cache : (const void *)v_cache) \
+                      + (long)table[first_block + (i) % span_blocks] * block_bytes))
+
+/* Rows of V per tile: the tile's widened rows stay in L1 while every head of the group reads them. */
+#define PV_TILE 16
+
+/* For each of `heads` query heads h: acc[h] += sum_j p[h][j] * v[j] over a tile of `tile` V rows
+ * (fp32, `v_stride` floats apart; p rows `p_stride` apart). With AVX-512 each 64-float slice of
+ * a head's output stays in four registers for the whole tile: one broadcast and four FMAs per
+ * row, where a plain loop would load and store the output for every row. */
+static void pv_tile(const float *v, long v_stride, int tile, int head_dim, const float *p, long p_stride,
+                    int heads, float *acc) {
+    int d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 64 <= head_dim; d0 += 64)
+        for (int h = 0; h < heads; h++) {
+            const float *ph = p + h * p_stride;
+            float *ah = acc + (long)h * head_dim + d0;
+            __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16);
+            __m512 a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
+            for (int j = 0; j < tile; j++) {
+                const __m512 pj = _mm512_set1_ps(ph[j]);
+                const float *vj = v + j * v_stride + d0;
+                a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), a0);
+                a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), a1);
+                a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), a2);
+                a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), a3);
+            }
+            _mm512_storeu_ps(ah, a0);
+            _mm512_storeu_ps(ah + 16, a1);
+            _mm512_storeu_ps(ah + 32, a2);
+            _mm512_storeu_ps(ah + 48, a3);
+        }
+    for (; d0 + 16 <= head_dim; d0 += 16)
+        for (int h = 0; h < heads; h++) {
+            const float *ph = p + h * p_stride;
+            float *ah = acc + (long)h * head_dim + d0;
+            __m512 a = _mm512_loadu_ps(ah);
+            for (int j = 0; j < tile; j++) a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_loadu_ps(v + j * v_stride + d0), a);
+            _mm512_storeu_ps(ah, a);
+        }
+#endif
+    if (d0 < head_dim)  /* no AVX-512, or the head_dim % 16 tail */
+        for (int h = 0; h < heads; h++)
+            for (int j = 0; j < tile; j++) {
+                const float pj = p[h * p_stride + j];
+                const float *vj = v + j * v_stride;
+                float *ah = acc + (long)h * head_dim;
+                _Pragma("omp simd")
+                for (int d = d0; d < head_dim; d++) ah[d] += pj * vj[d];
+            }
+}
+
 /* One span [t0, t1) of one sequence, all heads. q: fp32 [num_heads, head_dim]; qn: the query
  * SCORES16 reads (type TQ). k_scales/v_scales: the int8 cache's scales (unused otherwise). Writes per head
  * h: stats[2h] = max score, stats[2h + 1] = sum of exp(score - max), acc[h] = sum of
  * exp(score - max) * v (unnormalized). scores: scratch of num_heads * (t1 - t0) floats. */
-#define DEFINE_SPAN(NAME, T, TQ, LOAD, SCORES16, SCALE)                                            \
+#define DEFINE_SPAN(NAME, T, TQ, LOAD, SCORES16, SCALE, V_IN_PLACE)                                            \
 static void NAME(const float *q, const TQ *qn, const T *k_cache, const T *v_cache,                \
                  const float *k_scales, const float *v_scales,                                     \
                  const int32_t *table, int t0, int t1, int num_heads, int num_kv_heads,            \
@@ -73,18 +148,24 @@ static void NAME(const float *q, const TQ *qn, const T *k_cache, const T *v_cach
     const int group = num_heads / num_kv_heads, n = t1 - t0;                                       \
     const long row = (long)num_kv_heads * head_dim;                                                \
     const long block_stride = (long)block_size * row;                                              \
+    /* The span's blocks are read as one stream, its K blocks then its V blocks; while one block  \
+     * is read, the one PREFETCH_BLOCKS further on is fetched, spread over the reading (blocks    \
+     * are scattered: the hardware prefetchers do not follow the table). */                      \
+    const int first_block = t0 / block_size, span_blocks = (t1 - 1) / block_size - first_block + 1; \
+    const long block_bytes = block_stride * (long)sizeof(T), block_lines = (block_bytes + 63) / 64; \
+    prefetch_cursor ahead = {0, 0};                                                                \
+    for (int i = 1; i <= PREFETCH_BLOCKS; i++) prefetch_restart(&ahead, STREAM_BLOCK(i), block_bytes); \
     for (int t = t0; t < t1;) {  /* a run of consecutive rows: the span's part of one block */    \
         const int offset = t % block_size, run = t1 - t < block_size - offset ? t1 - t : block_size - offset; \
         const T *krow0 = k_cache + (long)table[t / block_size] * block_stride + (long)offset * row; \
         const long slot0 = (long)table[t / block_size] * block_size + offset;                      \
-        if (t + run < t1) {  /* the next block lives elsewhere: start fetching it now */           \
-            const char *next = (const char *)(k_cache + (long)table[(t + run) / block_size] * block_stride); \
-            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
-        }                                                                                           \
+        prefetch_restart(&ahead, STREAM_BLOCK(t / block_size - first_block + PREFETCH_BLOCKS), block_bytes); \
+        const long k_lines = (block_lines + num_heads * (run / 16 + 1) - 1) / (num_heads * (run / 16 + 1)); \
         int j = 0;                                                                                  \
         if (HAVE_SCORES16)                                                                          \
             for (; j + 16 <= run; j += 16)                                                          \
                 for (int h = 0; h < num_heads; h++) {                                              \
+                    prefetch_lines(&ahead, k_lines);                                               \
                     float *sh = scores + (long)h * n + (t - t0) + j;                                \
                     SCORES16(qn + (long)h * head_dim, krow0 + (long)j * row + (long)(h / group) * head_dim, \
                              row, head_dim, scale, sh);                                             \
@@ -112,38 +193,54 @@ static void NAME(const float *q, const TQ *qn, const T *k_cache, const T *v_cach
         stats[2 * h + 1] = sum;                                                                    \
     }                                                                                              \
     memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);                                  \
-    float vf[head_dim];  /* one KV head's V row, widened once for the whole group */               \
-    for (int t = t0; t < t1; t++) {                                                                \
-        const T *vrow = v_cache + (long)table[t / block_size] * block_stride + (long)(t % block_size) * row; \
-        if ((t % block_size == 0 || t == t0) && (t / block_size + 1) * block_size < t1) {          \
-            const char *next = (const char *)(v_cache + (long)table[t / block_size + 1] * block_stride); \
-            for (long off = 0; off < block_stride * (long)sizeof(T); off += 64) __builtin_prefetch(next + off); \
-        }                                                                                           \
-        const long slot = (long)table[t / block_size] * block_size + t % block_size;               \
+    /* V: a tile of up to PV_TILE consecutive rows of one KV head, widened once (scaled for int8;  \
+     * fp32 rows are read in place), then every query head of its group adds p * v over the     \
+     * tile with its output in registers (pv_tile). */                                          \
+    float vbuf[PV_TILE * head_dim];                                                                \
+    for (int t = t0; t < t1;) {                                                                    \
+        const int offset = t % block_size;                                                         \
+        int run = block_size - offset < t1 - t ? block_size - offset : t1 - t;                     \
+        run = run < PV_TILE ? run : PV_TILE;                                                       \
+        const int32_t block = table[t / block_size];                                               \
+        const T *vrow0 = v_cache + (long)block * block_stride + (long)offset * row;                 \
+        const long slot0 = (long)block * block_size + offset;                                      \
+        if (offset == 0 || t == t0)                                                                \
+            prefetch_restart(&ahead, STREAM_BLOCK(span_blocks + t / block_size - first_block + PREFETCH_BLOCKS), \
+                             block_bytes);                                                          \
+        const long v_lines = (block_lines + num_kv_heads - 1) / num_kv_heads;                      \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                \
-            const T *vh = vrow + (long)kh * head_dim;                                              \
-            const float vs = SCALE(v_scales, slot, kh, num_kv_heads);                              \
-            _Pragma("omp simd")                                                                    \
-            for (int d = 0; d < head_dim; d++) vf[d] = LOAD(vh, d) * vs;                           \
-            for (int h = kh * group; h < (kh + 1) * group; h++) {                                  \
-                const float p = scores[(long)h * n + (t - t0)];                                    \
-                float *ah = acc + (long)h * head_dim;                                              \
-                _Pragma("omp simd")                                                                \
-                for (int d = 0; d < head_dim; d++) ah[d] += p * vf[d];                             \
-            }                                                                                      \
-        }                                                                                          \
+            prefetch_lines(&ahead, v_lines);                                                       \
+            const T *vh = vrow0 + (long)kh * head_dim;                                             \
+            const float *vt = vbuf;                                                                \
+            long vt_stride = head_dim;                                                             \
+            if (V_IN_PLACE) {                                                                      \
+                vt = (const float *)vh;                                                            \
+                vt_stride = row;                                                                   \
+            } else {                                                                               \
+                for (int j = 0; j < run; j++) {                                                    \
+                    const float vs = SCALE(v_scales, slot0 + j, kh, num_kv_heads);                 \
+                    _Pragma("omp simd")                                                            \
+                    for (int d = 0; d < head_dim; d++) vbuf[(long)j * head_dim + d] = LOAD(vh + (long)j * row, d) * vs; \
+                }                                                                                   \
+            }                                                                                       \
+            pv_tile(vt, vt_stride, run, head_dim, scores + (long)kh * group * n + (t - t0), n, group, \
+                    acc + (long)kh * group * head_dim);                                            \
+        }                                                                                           \
+        t += run;                                                                                  \
     }                                                                                              \
 }
 
-DEFINE_SPAN(span_f32, float, float, LOAD_F32, SCORES16_F32, NO_SCALE)
-DEFINE_SPAN(span_bf16, uint16_t, uint16_t, LOAD_BF16, SCORES16_BF16, NO_SCALE)
-DEFINE_SPAN(span_i8, int8_t, float, LOAD_I8, SCORES16_I8, ROW_SCALE)
+DEFINE_SPAN(span_f32, float, float, LOAD_F32, SCORES16_F32, NO_SCALE, 1)
+DEFINE_SPAN(span_bf16, uint16_t, uint16_t, LOAD_BF16, SCORES16_BF16, NO_SCALE, 0)
+DEFINE_SPAN(span_i8, int8_t, float, LOAD_I8, SCORES16_I8, ROW_SCALE, 0)
 
-/* q/out: [batch, num_heads, head_dim] of T; caches of TC (with k_scales/v_scales for int8,
- * NULL otherwise); block_tables [batch, max_blocks]; context_lens [batch]. */
+/* q/out: [batch, num_heads, head_dim] of T, heads contiguous, q_stride/out_stride elements from
+ * one token to the next (q may be a view into the fused qkv projection); caches of TC (with
+ * k_scales/v_scales for int8, NULL otherwise); block_tables [batch, max_blocks]; context_lens
+ * [batch]. */
 #define DEFINE_KERNEL(NAME, T, TC, SPAN, WIDEN, NARROW, QN)                                        \
-int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables,          \
-         const int32_t *context_lens, T *out, int batch, int num_heads, int num_kv_heads,          \
+int NAME(const T *q, long q_stride, const TC *k_cache, const TC *v_cache, const int32_t *block_tables, \
+         const int32_t *context_lens, T *out, long out_stride, int batch, int num_heads, int num_kv_heads, \
          int head_dim, int block_size, int max_blocks, float scale, int num_threads,               \
          const float *k_scales, const float *v_scales)                                             \
 {                                                                                                   \
@@ -184,7 +281,7 @@ int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_
             float *work = (float *)malloc(sizeof(float) * ((size_t)num_heads * (t1 - t0) + n));    \
             if (!work) { failed = 1; continue; }                                                   \
             float *qf = work + (size_t)num_heads * (t1 - t0);                                      \
-            const T *qb = q + (long)b * n;                                                         \
+            const T *qb = q + (long)b * q_stride;                                                  \
             for (long i = 0; i < n; i++) qf[i] = WIDEN(qb[i]);                                     \
             SPAN(qf, QN(qf, qb), k_cache, v_cache, k_scales, v_scales, block_tables + (long)b * max_blocks, t0, t1, num_heads, \
                  num_kv_heads, head_dim, block_size, scale, work, stats, acc);                     \
@@ -193,7 +290,7 @@ int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_
         /* Merge each sequence's spans: rescale to the largest max, sum, normalize. */            \
         _Pragma("omp for schedule(static)")                                                        \
         for (int b = 0; b < batch; b++) {                                                          \
-            T *ob = out + (long)b * num_heads * head_dim;                                          \
+            T *ob = out + (long)b * out_stride;                                                    \
             for (int h = 0; h < num_heads; h++) {                                                  \
                 float m = -INFINITY;                                                                \
                 for (int task = first[b]; task < first[b + 1]; task++) {                           \
@@ -225,3 +322,22 @@ DEFINE_KERNEL(strata_paged_decode_attention_bf16, uint16_t, uint16_t, span_bf16,
 /* int8 caches (kv_cache_dtype=int8) under fp32 and bf16 models. */
 DEFINE_KERNEL(strata_paged_decode_attention_i8_f32, float, int8_t, span_i8, IDENTITY, IDENTITY, Q_FP32)
 DEFINE_KERNEL(strata_paged_decode_attention_i8_bf16, uint16_t, int8_t, span_i8, bf16_to_f32, f32_to_bf16, Q_FP32)
+
+/* The step's new K and V rows into their cache slots: row i of k (and v), `k_stride` elements
+ * after row i - 1 (views into the fused qkv projection), to slot slots[i] of caches of
+ * `num_slots` rows of `row` elements. -1 (nothing written) if a slot is out of range. */
+#define DEFINE_STORE_KV(NAME, T)                                                                   \
+int NAME(const T *k, long k_stride, const T *v, long v_stride, const int64_t *slots, long n,       \
+         T *k_cache, T *v_cache, long num_slots, long row)                                          \
+{                                                                                                   \
+    for (long i = 0; i < n; i++)                                                                   \
+        if (slots[i] < 0 || slots[i] >= num_slots) return -1;                                      \
+    for (long i = 0; i < n; i++) {                                                                 \
+        memcpy(k_cache + slots[i] * row, k + i * k_stride, sizeof(T) * (size_t)row);               \
+        memcpy(v_cache + slots[i] * row, v + i * v_stride, sizeof(T) * (size_t)row);               \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+
+DEFINE_STORE_KV(strata_store_kv_f32, float)
+DEFINE_STORE_KV(strata_store_kv_bf16, uint16_t)

@@ -35,6 +35,7 @@ class AttentionMetadata:
     # Built lazily by the torch backend and reused by every layer of the step.
     decode_gather_index: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    cpu_decode: cpu_kernels.PagedDecode | None = None  # the C decode kernel's converted tables
     prefill_gather_index: list[torch.Tensor | None] | None = None
 
 
@@ -59,13 +60,16 @@ class TorchAttention:
             out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
         if meta.num_prefill_tokens:
             self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])
         return out
 
     def _store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         """The step's new K and V rows into their cache slots."""
+        if self.cpu_kernels and k.device.type == "cpu" and k.dtype in cpu_kernels.KERNEL_DTYPES:
+            cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # one call, no copies of k and v
+            return
         hkv, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
@@ -74,10 +78,17 @@ class TorchAttention:
         """Blocks listed in index, as [len(index) * block_size, Hkv, D]."""
         return cache.view(cache.shape[0], -1).index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES:
-            return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, self.scale)
+    def _cpu_decode(self, meta: AttentionMetadata) -> cpu_kernels.PagedDecode | None:
+        """The step's C decode kernel call (its tables converted once, for every layer); None
+        where the kernel does not run."""
+        if meta.cpu_decode is None and self.cpu_kernels and meta.decode_block_tables.device.type == "cpu":
+            meta.cpu_decode = cpu_kernels.PagedDecode(meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        return meta.cpu_decode
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+        """Into `out` (a view of the step's output rows)."""
+        if q.dtype in cpu_kernels.KERNEL_DTYPES and (kernel := self._cpu_decode(meta)) is not None:
+            return kernel(q, k_cache, v_cache, out)
         b, block_size = q.shape[0], k_cache.shape[1]
         if meta.decode_gather_index is None:
             num_blocks = -(-meta.decode_max_context // block_size)
@@ -92,7 +103,7 @@ class TorchAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=self.scale)
-        return o.reshape(b, self.num_heads, self.head_dim)
+        return out.copy_(o.reshape(b, self.num_heads, self.head_dim))
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         if (self.prefill_kernel and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES

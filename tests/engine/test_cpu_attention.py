@@ -66,6 +66,58 @@ def test_c_decode_kernel_long_contexts(dtype):
         torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_c_decode_kernel_strided_views_and_one_plan_for_every_layer(dtype, head_dim):
+    """q a view into a fused qkv row (as the engine passes it), out a view into a wider buffer;
+    one PagedDecode (the step's converted tables) serves several layers' caches. head_dim 80 runs
+    the V accumulation's 16-lane tail as well as its 64-lane part."""
+    kv_heads, group = 2, 7
+    heads = kv_heads * group
+    q, kc, vc, tables, lens = paged_case(11, [3, 16, 40, 130, 0], kv_heads, group, head_dim)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    fused = torch.zeros(q.shape[0], (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    fused[:, :heads * head_dim] = q.reshape(q.shape[0], -1)
+    qv = fused[:, :heads * head_dim].view(q.shape)
+    wide = torch.full((q.shape[0], heads * head_dim + 16), 7.0, dtype=dtype)
+    out = wide[:, :heads * head_dim].view(q.shape)
+    step = cpu_kernels.PagedDecode(tables, lens, head_dim ** -0.5)
+    atol, rtol = (ATOL, 0) if dtype == torch.float32 else (1e-2, 1e-2)
+    for layer in range(2):  # a second layer: other caches, the same converted tables
+        k_l, v_l = (kc, vc) if layer == 0 else (vc.flip(0).contiguous(), kc.flip(0).contiguous())
+        step(qv, k_l, v_l, out)
+        ref = paged_decode_attention_ref(q.float(), k_l.float(), v_l.float(), tables, lens, head_dim ** -0.5)
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+        assert torch.all(wide[:, heads * head_dim:] == 7.0)  # nothing written past each row
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_into_their_slots(dtype):
+    """K and V as views into the fused qkv rows, stored in one call: the same cache as two
+    index_copy_ calls; a slot outside the cache is refused and nothing is written."""
+    kv_heads, head_dim, tokens = 2, 64, 9
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(tokens, (6 + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    k = qkv[:, 6 * head_dim:(6 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (6 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    kc = torch.zeros(5, BLOCK, kv_heads, head_dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 17, 18, 79, 0, 40, 41, 42, 64])
+    cpu_kernels.store_kv(k, v, kc, vc, slots)
+    ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    ref_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    ref_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    before = kc.clone()
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu_kernels.store_kv(k, v, kc, vc, slots.clone().index_fill_(0, torch.tensor([4]), 80))
+    assert torch.equal(kc, before)
+    with pytest.raises(ValueError, match="one slot per"):
+        cpu_kernels.store_kv(k, v, kc, vc, slots[:3])
+
+
 @pytest.mark.parametrize("kv_heads, group, head_dim", CASES)
 def test_torch_gather_path_matches_reference(kv_heads, group, head_dim):
     """The portable path (no C compiler, or non-fp32): decode and prefill with a cached prefix."""
@@ -77,7 +129,7 @@ def test_torch_gather_path_matches_reference(kv_heads, group, head_dim):
     empty = torch.zeros(0, dtype=torch.int32)
     decode_meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), len(lengths), tables, lens, 0, empty.view(0, 0),
                                     empty, empty, [], [], decode_max_context=max(lengths))
-    torch.testing.assert_close(attn._decode(q, kc, vc, decode_meta),
+    torch.testing.assert_close(attn._decode(q, kc, vc, decode_meta, torch.empty_like(q)),
                                paged_decode_attention_ref(q, kc, vc, tables, lens, scale), atol=ATOL, rtol=0)
     # Prefill chunks: the last 5, 33 (all: no prefix), 10 and 1 tokens of each sequence.
     chunks = [5, 33, 10, 1]

@@ -101,12 +101,11 @@ class Int8KVTorchAttention(TorchAttention):
         scales = cache.scales.view(blocks, -1).index_select(0, index).view(-1, hkv)
         return dequantize_rows(values, scales, self._dtype)
 
-    def _decode(self, q, k_cache: QuantizedKVCache, v_cache: QuantizedKVCache, meta: AttentionMetadata):
-        if self.cpu_kernels and q.device.type == "cpu" and q.dtype in cpu_kernels.KERNEL_DTYPES:
-            return cpu_kernels.paged_decode_attention(
-                q.contiguous(), k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, k_scales=k_cache.scales, v_scales=v_cache.scales)
-        return super()._decode(q, k_cache, v_cache, meta)
+    def _decode(self, q, k_cache: QuantizedKVCache, v_cache: QuantizedKVCache, meta: AttentionMetadata,
+                out: torch.Tensor):
+        if q.dtype in cpu_kernels.KERNEL_DTYPES and (kernel := self._cpu_decode(meta)) is not None:
+            return kernel(q, k_cache.data, v_cache.data, out, k_scales=k_cache.scales, v_scales=v_cache.scales)
+        return super()._decode(q, k_cache, v_cache, meta, out)
 
 
 def fp8_kv_triton_attention():
