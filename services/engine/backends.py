@@ -26,7 +26,7 @@ class TorchOps:
                  residual: torch.Tensor | None = None):
         """RMSNorm as Hugging Face computes it; with residual, adds it first and returns both
         (the C path updates `residual` in place)."""
-        if cpu_kernels.supports(x, weight) and (residual is None or cpu_kernels.supports(x, residual)):
+        if cpu_kernels.supports(x, weight, residual):
             normed = cpu_kernels.rms_norm(x, weight, eps, residual)
             return normed if residual is None else (normed, residual)
         if residual is not None:

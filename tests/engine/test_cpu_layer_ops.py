@@ -53,7 +53,7 @@ def test_rms_norm_per_head_of_a_strided_view(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 80: half a head is not 16 lanes (the plain loop)
 def test_rotary_in_place_on_views_of_qkv(dtype, head_dim):
     g = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, n = 14, 2, 11
@@ -72,7 +72,8 @@ def test_rotary_in_place_on_views_of_qkv(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    x = (3 * torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(1))).to(dtype)
+@pytest.mark.parametrize("width", [1408, 1000])  # 1000: not 16 lanes (the plain loop)
+def test_silu_and_mul(dtype, width):
+    x = (3 * torch.randn(33, 2 * width, generator=torch.Generator().manual_seed(1))).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     close(cpu_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
