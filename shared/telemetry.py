@@ -43,6 +43,8 @@ GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+# OpenTelemetry's general attribute for the end user (OpenAI's `user` request field).
+USER_ID = "user.id"
 PROVIDER = "strata"
 
 _provider = None  # the SDK provider this process installed, if any

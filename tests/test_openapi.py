@@ -53,6 +53,22 @@ def test_bodies_the_gateway_refuses_are_outside_the_schema(body):
     assert not jsonschema.Draft202012Validator(schema("CompletionRequest")).is_valid(body)
 
 
+@pytest.mark.parametrize("name, endpoint", [("CompletionRequest", "/v1/completions"),
+                                             ("ChatCompletionRequest", "/v1/chat/completions")])
+def test_the_schema_lists_exactly_the_fields_the_gateway_takes(name, endpoint):
+    """Any other field is refused (request_fields.refuse_unknown), and the schema says so."""
+    from services.gateway.request_fields import KNOWN_FIELDS
+
+    body_schema = schema(name)
+    assert set(body_schema["properties"]) == KNOWN_FIELDS[endpoint]
+    assert body_schema["additionalProperties"] is False
+    body = {"model": "m", "prompt": "x"} if endpoint == "/v1/completions" else \
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    parse = oa.parse_completion if endpoint == "/v1/completions" else oa.parse_chat
+    with pytest.raises(oa.ApiError, match="Unrecognized request argument supplied: 'frobnicate'"):
+        parse({**body, "frobnicate": 1})
+
+
 def test_chat_top_logprobs_needs_logprobs_in_both():
     import jsonschema
 

@@ -32,6 +32,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class UnrecognizedFields(ApiError):
+    """A 400 for fields the endpoint does not know (request_fields.refuse_unknown), as OpenAI's
+    API answers them; `fields` names them all (the service counts them), `param` the first."""
+
+    def __init__(self, fields: list[str]):
+        super().__init__(400, f"Unrecognized request argument supplied: {', '.join(repr(f) for f in fields)}",
+                         "invalid_request_error", fields[0], "unrecognized_request_argument")
+        self.fields = fields
+
+
 def error_response(exc: ApiError):
     """The aiohttp response of an ApiError, with Retry-After when it has one."""
     from aiohttp import web
@@ -109,7 +119,7 @@ class ParsedRequest:
     prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
     prompt: PromptOptions = field(default_factory=PromptOptions)  # echo, prompt_logprobs
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    unknown_fields: list[str] = field(default_factory=list)  # ignored, counted (request_fields)
+    user: str | None = None  # OpenAI's end-user id: on the request's log lines and span
 
 
 def ranged(body: dict, name: str, default=None, range_: Range | None = None):
@@ -175,9 +185,10 @@ def _sampling(body: dict, max_tokens_default: int, logprobs: int | None) -> Samp
     )
 
 
-def _common(body: Any) -> tuple[str, bool, bool, bool]:
+def _common(body: Any, endpoint: str) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    request_fields.refuse_unknown(endpoint, body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model")
@@ -193,7 +204,7 @@ def _common(body: Any) -> tuple[str, bool, bool, bool]:
 
 
 def parse_completion(body: Any) -> ParsedRequest:
-    model, stream, include_usage, continuous_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body, "/v1/completions")
     prompts = parse_prompts(body.get("prompt"))
     text, ids = prompts[0]
     if body.get("suffix"):
@@ -201,7 +212,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     logprobs = ranged(body, "logprobs")
     parsed = ParsedRequest(False, model, text, ids, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
                            choices=parse_choices(body, stream), prompts=prompts, continuous_usage=continuous_usage,
-                           unknown_fields=request_fields.unknown_fields("/v1/completions", body))
+                           user=request_fields.end_user(body))
     parsed.prompt = prompt_logprobs.parse(body, False, logprobs, parsed.sampling, bad)
     return parsed
 
@@ -209,7 +220,8 @@ def parse_completion(body: Any) -> ParsedRequest:
 def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
     from services.gateway.tools import message_tool_fields, parse_tools  # (tools.py imports this module)
 
-    model, stream, include_usage, continuous_usage = _common(body)
+    model, stream, include_usage, continuous_usage = _common(body, "/v1/chat/completions")
+    request_fields.check_chat_options(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -238,7 +250,7 @@ def parse_chat(body: Any) -> tuple[ParsedRequest, list[dict]]:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     parsed = ParsedRequest(True, model, None, None, _sampling(body, 16, logprobs), stream, include_usage, logprobs,
                            choices=parse_choices(body, stream), continuous_usage=continuous_usage,
-                           unknown_fields=request_fields.unknown_fields("/v1/chat/completions", body))
+                           user=request_fields.end_user(body))
     parsed.tools = parse_tools(body, parsed.sampling)
     parsed.prompt = prompt_logprobs.parse(body, True, logprobs, parsed.sampling, bad)
     # OpenAI's chat default is "as many as fit": the service sets it once the prompt is tokenized.

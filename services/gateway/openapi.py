@@ -53,12 +53,14 @@ _SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 16,
           "description": "choices per prompt (at most the gateway's --max-n, default 16)"},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+    "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": {"type": "boolean"},
                                                         "continuous_usage_stats": {
                                                             "type": "boolean",
                                                             "description": "the usage so far on every chunk"}},
                        "description": "only with stream: true"},
-    "user": {"type": "string"},
+    "user": {"type": "string", "maxLength": 256, "description": "the end user: on the request's log lines and "
+                                                               "span (user.id)"},
+    "guided_whitespace_pattern": {"type": "null", "description": "vLLM's: not supported (only null)"},
     # Logits processors and text options, vLLM's names (services/gateway/request_fields.py).
     "logit_bias": {"type": "object", "maxProperties": 1024,
                    "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
@@ -254,8 +256,9 @@ def openapi_spec(server_url: str = "") -> dict:
                             "$ref": "#/components/schemas/ChatCompletionRequest/properties/messages"},
                         "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
                         "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}}]},
+                # Every field the gateway takes is listed: any other is refused with a 400.
                 "CompletionRequest": {
-                    "type": "object", "required": ["model", "prompt"],
+                    "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
                     "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _BEST_OF_ALONE,
                               _MAX_TOKENS_ZERO_SCORES_THE_PROMPT],
                     "properties": {
@@ -273,12 +276,13 @@ def openapi_spec(server_url: str = "") -> dict:
                                  "text and logprobs (then max_tokens may be 0)"},
                         "prompt_logprobs": _PROMPT_LOGPROBS,
                         "suffix": {"enum": [None, ""], "description": "not supported"},
+                        "max_completion_tokens": RANGES["max_tokens"].json_schema(),
                         **_SAMPLING,
                         "max_tokens": {**_SAMPLING["max_tokens"], "minimum": 0,
                                        "description": "0 only with echo or prompt_logprobs: the prompt is scored, "
                                                       "nothing generated"}}},
                 "ChatCompletionRequest": {
-                    "type": "object", "required": ["model", "messages"],
+                    "type": "object", "required": ["model", "messages"], "additionalProperties": False,
                     "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT, _TOOL_CHOICE_NEEDS_TOOLS, _BEST_OF_ALONE,
                               _only_with("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                           "required": ["logprobs"]})],
@@ -298,6 +302,12 @@ def openapi_spec(server_url: str = "") -> dict:
                                             "prompt token, as `prompt_logprobs` in the response"},
                         "echo": {"const": False, "description": "completions only"},
                         "best_of": _BEST_OF,
+                        # OpenAI's, taken where they ask for what this server does.
+                        "store": {"enum": [None, False], "description": "completions are not stored"},
+                        "metadata": {"oneOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
+                                     "description": "kept only with stored completions: none here"},
+                        "service_tier": {"enum": [None, "auto", "default"], "description": "one tier"},
+                        "modalities": {"oneOf": [{"type": "null"}, {"const": ["text"]}]},
                         **_SAMPLING}},
             },
         },

@@ -1,9 +1,10 @@
 """Request fields at the gateway (pure, no I/O): the table of every field each endpoint knows,
 and the parsing of the logits-processor and text fields (vLLM's names) into SamplingParams.
 
-The rule: a known field is honoured or refused with a 400 naming it. Any other field is ignored,
-as vLLM does, and reported by `unknown_fields` so the service counts it in a metric and logs it
-once per name (a client's typo, or a feature this gateway lacks, is visible, not silent).
+The rule: a known field is honoured or refused with a 400 naming it, and so is any other field:
+`refuse_unknown` answers it as OpenAI's API does ("Unrecognized request argument supplied"),
+where vLLM would ignore it and log a warning. A client's typo, or a feature this gateway lacks,
+fails loudly instead of changing nothing; the service counts the refused names in a metric.
 """
 
 from __future__ import annotations
@@ -20,22 +21,27 @@ TOKEN_ID_LIMIT = 2**31  # the model's vocabulary bounds them exactly once it is 
 
 # Fields of both generation endpoints: sampling (OpenAI's and vLLM's), output, the other parts
 # of issue 18 (structured outputs and vLLM's guided_decoding_backend / guided_whitespace_pattern,
-# refused past what xgrammar does; n / best_of; prompt logprobs). OpenAI's `user` is not used
-# here, so it is counted as unknown like any other field this gateway does not honour.
+# refused past what xgrammar does; n / best_of; prompt logprobs), and OpenAI's `user` (the end
+# user, on the request's log lines and span).
 _SHARED = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
     "best_of", "stream", "stream_options", "logprobs", "logit_bias", "allowed_token_ids", "bad_words",
     "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "echo",
+    "guided_decoding_backend", "guided_whitespace_pattern", "echo", "user",
 }
+# Chat's own, besides messages and tools: OpenAI's `store`, `metadata`, `service_tier` and
+# `modalities`, taken where they ask for what this server does (check_chat_options).
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     "/v1/completions": frozenset(_SHARED | {"prompt", "suffix"}),
     "/v1/chat/completions": frozenset(_SHARED | {"messages", "top_logprobs", "tools", "tool_choice",
-                                                 "parallel_tool_calls"}),
+                                                 "parallel_tool_calls", "store", "metadata", "service_tier",
+                                                 "modalities"}),
 }
 KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+MAX_USER_LENGTH = 256
+SERVICE_TIERS = (None, "auto", "default")  # one tier here: what a request may ask for
 
 
 def unknown_fields(endpoint: str, body: dict) -> list[str]:
@@ -46,6 +52,39 @@ def unknown_fields(endpoint: str, body: dict) -> list[str]:
     if isinstance(options, dict):
         unknown += [f"stream_options.{name}" for name in options if name not in KNOWN_STREAM_OPTIONS]
     return unknown
+
+
+def refuse_unknown(endpoint: str, body: dict) -> None:
+    """openai_api.UnrecognizedFields (a 400) if the body has a field `endpoint` does not know."""
+    unknown = unknown_fields(endpoint, body)
+    if unknown:
+        raise oa.UnrecognizedFields(unknown)
+
+
+def end_user(body: dict) -> str | None:
+    """OpenAI's `user`: the end user's id, a string (the service puts it on the request's log
+    lines and span, which is what it is for)."""
+    user = body.get("user")
+    if user is None:
+        return None
+    if not isinstance(user, str) or len(user) > MAX_USER_LENGTH:
+        raise oa.bad(f"'user' must be a string of at most {MAX_USER_LENGTH} characters", "user")
+    return user or None
+
+
+def check_chat_options(body: dict) -> None:
+    """OpenAI's chat options this server takes only where they ask for what it does: nothing
+    stored (`store` false; `metadata`, kept only with stored completions, absent), one service
+    tier, text out."""
+    if body.get("store") not in (None, False):
+        raise oa.bad("'store': this server does not store completions (only false is taken)", "store")
+    if body.get("metadata") not in (None, {}):
+        raise oa.bad("'metadata' is kept only with stored completions ('store'), which this server does not offer",
+                     "metadata")
+    if body.get("service_tier") not in SERVICE_TIERS:
+        raise oa.bad("'service_tier' must be 'auto' or 'default': this server has one tier", "service_tier")
+    if body.get("modalities") not in (None, ["text"]):
+        raise oa.bad("'modalities': only [\"text\"] is supported", "modalities")
 
 
 def _is_token_id(t) -> bool:

@@ -153,9 +153,9 @@ class GatewayMetrics:
                                           "Requests failed because the scheduler holding them fell silent.",
                                           registry=r)
         self.unknown_fields = Counter("strata:gateway_unknown_request_fields",
-                                      "Request fields the endpoint does not know, ignored (as vLLM does), by "
-                                      f"endpoint and field name (past {MAX_UNKNOWN_FIELD_NAMES} names: "
-                                      f"{OTHER_FIELDS!r}).", ["endpoint", "field"], registry=r)
+                                      "Request fields the endpoint does not know, refused with a 400 (as OpenAI's "
+                                      f"API does), by endpoint and field name (past {MAX_UNKNOWN_FIELD_NAMES} "
+                                      f"names: {OTHER_FIELDS!r}).", ["endpoint", "field"], registry=r)
 
 
 class GatewayService:
@@ -540,20 +540,26 @@ class GatewayService:
 
     async def _generation(self, request: web.Request, prompt_of) -> web.StreamResponse:
         key = await self._authenticate(request)
-        parsed, model, prompts, lora = await prompt_of(request)
-        self._count_unknown_fields(request.path, parsed.unknown_fields)
+        try:
+            parsed, model, prompts, lora = await prompt_of(request)
+        except oa.UnrecognizedFields as exc:
+            self._count_unknown_fields(request.path, exc.fields)
+            raise
+        if parsed.user is not None:
+            tracing.annotate_end_user(parsed.user)
         request_fields.check_token_ids(parsed.sampling, self.model_limits(model).vocab_size)
         return await self._serve(request, key, parsed, model, prompts, lora)
 
     def _count_unknown_fields(self, endpoint: str, names: list[str]) -> None:
-        """Ignored, as vLLM does, but counted by name, and logged the first time each is seen."""
+        """Refused fields, counted by name and logged the first time each is seen (what clients
+        send that this gateway does not take)."""
         for name in (n[:64] for n in names):  # label values bounded in length and (below) in number
             if name not in self._unknown_fields_seen:
                 if len(self._unknown_fields_seen) >= MAX_UNKNOWN_FIELD_NAMES:
                     self.metrics.unknown_fields.labels(endpoint, OTHER_FIELDS).inc()
                     continue
                 self._unknown_fields_seen.add(name)
-                log.warning("unknown request field ignored", endpoint=endpoint, field=name)
+                log.warning("unknown request field refused", endpoint=endpoint, field=name)
             self.metrics.unknown_fields.labels(endpoint, name).inc()
 
     @web.middleware

@@ -35,7 +35,7 @@ async def trace_requests(request: web.Request, handler):
     """Outermost middleware: stamps the arrival; generation requests get a span and a log line."""
     request[RECEIVED_AT] = time.time()
     _request.set(request)
-    structlog.contextvars.unbind_contextvars("request_id")  # keep-alive: the previous request's id
+    structlog.contextvars.unbind_contextvars("request_id", "user")  # keep-alive: the previous request's
     operation = GENERATION_PATHS.get(request.path) if request.method == "POST" else None
     if operation is None:
         return await handler(request)
@@ -83,6 +83,15 @@ def annotate_request(gen: GenerateRequest, stream: bool) -> None:
             span.set_attribute(attribute, value)
     if s.top_k is not None and s.top_k > 0:
         span.set_attribute(telemetry.GEN_AI_REQUEST_TOP_K, s.top_k)
+
+
+def annotate_end_user(user: str) -> None:
+    """OpenAI's `user` (the client's end user): on the request's log lines and its span."""
+    structlog.contextvars.bind_contextvars(user=user)
+    request = _request.get()
+    span: Span | None = request.get(SPAN) if request is not None else None
+    if span is not None:
+        span.set_attribute(telemetry.USER_ID, user)
 
 
 def annotate_response(response_id: str, model: str, final: TokenChunk, ttft: float,

@@ -1,7 +1,8 @@
 """Issue 18's fields over HTTP with the official openai client on the tiny model: logit_bias,
 min_tokens, allowed_token_ids, bad_words and their 400s; continuous usage stats; top_logprobs up
 to 20; /tokenize and /detokenize (vLLM's shapes); models.retrieve; /version; unknown fields
-counted; and the end-of-stream flush of an incomplete UTF-8 character."""
+refused (and counted), OpenAI's `user`, `store`, `metadata`, `service_tier` and `modalities`; and
+the end-of-stream flush of an incomplete UTF-8 character."""
 
 import json
 import urllib.request
@@ -210,20 +211,46 @@ def test_version(api_stack):
     assert get(api_stack, "/version", key=False)[0] == 401
 
 
-def test_an_unknown_field_is_counted_and_the_request_succeeds(api_stack, client):
-    def counted() -> float:
+def test_an_unknown_field_is_refused_naming_it_and_counted(api_stack, client):
+    def counted(field: str) -> float:
         _, text = get(api_stack, "/metrics", key=False)
         for line in text.splitlines():
-            if line.startswith("strata:gateway_unknown_request_fields_total{") and 'field="frobnicate"' in line \
+            if line.startswith("strata:gateway_unknown_request_fields_total{") and f'field="{field}"' in line \
                     and 'endpoint="/v1/completions"' in line:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    before = counted()
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"frobnicate": True})
+    before = counted("frobnicate")
+    for value in (True, 2):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"frobnicate": value})
+        assert info.value.status_code == 400 and info.value.body["param"] == "frobnicate"
+        assert "Unrecognized request argument supplied: 'frobnicate'" in info.value.body["message"]
+        assert info.value.body["code"] == "unrecognized_request_argument"
+    assert counted("frobnicate") == before + 2
+    # Several: the message names them all (in the body's order), stream_options' own too.
+    status, body = post(api_stack, "/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True, "detail": 1},
+        "reasoning_effort": "low"})
+    assert status == 400 and body["error"]["param"] == "reasoning_effort"
+    assert "'reasoning_effort', 'stream_options.detail'" in body["error"]["message"]
+    # The gateway still serves.
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_openai_request_metadata_fields(api_stack, client):
+    """`user` is taken (it goes on the request's log line and span); `store`, `metadata`,
+    `service_tier` and `modalities` where they ask for what this server does, else a 400 naming
+    the field."""
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, user="end-user-7",
+                                         store=False, service_tier="auto", modalities=["text"], metadata={})
     assert out.usage.completion_tokens == 2
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"frobnicate": 2})
-    assert counted() == before + 2
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, user="u").usage.completion_tokens == 2
+    for field, value in (("store", True), ("metadata", {"run": "7"}), ("service_tier", "flex"),
+                         ("modalities", ["text", "audio"]), ("user", 7)):
+        status, body = post(api_stack, "/v1/chat/completions",
+                            {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value})
+        assert status == 400 and body["error"]["param"] == field, (field, body)
 
 
 @pytest.mark.parametrize("stream", [False, True])

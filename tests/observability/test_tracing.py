@@ -27,7 +27,7 @@ def test_one_request_gives_one_trace_across_the_services(obs_stack, otlp):
     client = openai.OpenAI(base_url=obs_stack.base_url + "/v1", api_key=obs_stack.api_key, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Trace me"}], max_tokens=6, temperature=0,
-        extra_body={"ignore_eos": True})
+        user="end-user-42", extra_body={"ignore_eos": True})
     response = raw.parse()
     rid = raw.headers["x-request-id"]
     spans = spans_of(otlp, rid, {"strata-gateway", "strata-scheduler", "strata-engine"})
@@ -55,6 +55,7 @@ def test_one_request_gives_one_trace_across_the_services(obs_stack, otlp):
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["gen_ai.request.max_tokens"] == 6 and a["http.response.status_code"] == 200
     assert a["strata.replica_id"] in ("engine-b0", "engine-b1")
+    assert a["user.id"] == "end-user-42"  # OpenAI's `user`
     r = route.attributes
     assert r["strata.routing.policy"] == "round_robin"
     assert sorted(r["strata.routing.candidates"]) == ["engine-b0", "engine-b1"]
