@@ -101,14 +101,15 @@ def main(argv=None) -> None:
     stream = stream_kernel()
     g = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'shape':<6}{'batch':>6}{'context':>9}{'kernel us':>11}{'GB/s':>7}{'floor us':>10}{'GB/s':>7}{'kernel/floor':>14}")
+    print(f"{'shape':<6}{'batch':>6}{'context':>9}{'kernel us':>11}{'GB/s':>7}{'floor us':>10}{'GB/s':>7}"
+          f"{'kernel/floor':>14}")
     for case in args.cases:
         batch, context = map(int, case.split("x"))
         per_seq = -(-context // BLOCK)
         for name, (heads, kv_heads) in SHAPES.items():
             num_blocks = max(4096, 2 * batch * per_seq)
             shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
-            caches = [(torch.randn(shape, generator=g).to(torch.bfloat16), torch.randn(shape, generator=g).to(torch.bfloat16))
+            caches = [tuple(torch.randn(shape, generator=g).to(torch.bfloat16) for _ in "kv")
                       for _ in range(args.layers)]
             tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
             lens = torch.full((batch,), context, dtype=torch.int32)
@@ -136,7 +137,8 @@ def main(argv=None) -> None:
             kv_bytes = 2 * batch * per_seq * BLOCK * kv_heads * HEAD_DIM * 2
             rows.append(dict(shape=name, heads=heads, kv_heads=kv_heads, batch=batch, context=context,
                              kernel_us=round(kernel_us, 1), floor_us=round(floor_us, 1),
-                             kernel_gb_s=round(kv_bytes / kernel_us / 1e3, 2), floor_gb_s=round(kv_bytes / floor_us / 1e3, 2),
+                             kernel_gb_s=round(kv_bytes / kernel_us / 1e3, 2),
+                             floor_gb_s=round(kv_bytes / floor_us / 1e3, 2),
                              max_abs_diff=err))
             print(f"{name:<6}{batch:>6}{context:>9}{kernel_us:>11.1f}{kv_bytes / kernel_us / 1e3:>7.1f}"
                   f"{floor_us:>10.1f}{kv_bytes / floor_us / 1e3:>7.1f}{kernel_us / floor_us:>13.2f}x")

@@ -287,7 +287,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if out is None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         # The model's rows, twice a layer: the checks kept to what this case needs (each
         # microsecond here is paid 2 x layers times a step).
-        if weight.numel() != hidden or not weight.is_contiguous() or (residual is not None and residual.shape != x.shape):
+        if (weight.numel() != hidden or not weight.is_contiguous()
+                or (residual is not None and residual.shape != x.shape)):
             raise ValueError("rms_norm: shapes do not match")
         out = torch.empty_like(x)
         getattr(lib, f"strata_rms_norm_{KERNEL_DTYPES[x.dtype]}")(
@@ -333,7 +334,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] (SwiGLU over a fused gate/up projection)."""
     x = x.contiguous()
     d = x.shape[-1] // 2
-    out = x.new_empty((*x.shape[:-1], d))
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
     getattr(load(), f"strata_silu_and_mul_{KERNEL_DTYPES[x.dtype]}")(
         x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1] if x.numel() else 0, d, torch.get_num_threads())
     return out

@@ -53,10 +53,10 @@ _SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 16,
           "description": "choices per prompt (at most the gateway's --max-n, default 16)"},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "additionalProperties": False, "properties": {"include_usage": {"type": "boolean"},
-                                                        "continuous_usage_stats": {
-                                                            "type": "boolean",
-                                                            "description": "the usage so far on every chunk"}},
+    "stream_options": {"type": "object", "additionalProperties": False,
+                       "properties": {"include_usage": {"type": "boolean"},
+                                      "continuous_usage_stats": {
+                                          "type": "boolean", "description": "the usage so far on every chunk"}},
                        "description": "only with stream: true"},
     "user": {"type": "string", "maxLength": 256, "description": "the end user: on the request's log lines and "
                                                                "span (user.id)"},
