@@ -112,11 +112,16 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
+def heads_contiguous(t: torch.Tensor) -> bool:
+    """A [tokens, heads, head_dim] tensor whose heads are contiguous, with any token stride (a
+    view into the fused qkv projection qualifies): the layout the attention and rotary kernels read."""
+    return t.dim() == 3 and (not t.shape[0] or (t.stride(2) == 1 and t.stride(1) == t.shape[2]))
+
+
 def _token_stride(t: torch.Tensor, name: str) -> int:
-    """Elements from one token to the next of a [tokens, heads, head_dim] tensor whose heads are
-    contiguous (a view into the fused qkv projection qualifies)."""
-    if t.dim() != 3 or (t.shape[0] and (t.stride(2) != 1 or t.stride(1) != t.shape[2])):
-        raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads")
+    """Elements from one token to the next of a heads_contiguous tensor (else a ValueError)."""
+    if not heads_contiguous(t):
+        raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads (any token stride)")
     return t.stride(0)
 
 
@@ -232,10 +237,7 @@ def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not scale > 0:
         raise ValueError(f"paged_prefill_attention_cpu: scale must be positive, got {scale}")
     out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
-    for name, t in (("query", query), ("out", out)):
-        if tokens and (t.stride(2) != 1 or t.stride(1) != head_dim):
-            raise ValueError(f"paged_prefill_attention_cpu: {name}'s heads must be contiguous ([tokens, heads, "
-                             "head_dim] with any token stride)")
+    q_stride, out_stride = _token_stride(query, "query"), _token_stride(out, "out")
     if out.shape != query.shape or out.dtype != query.dtype or out.device.type != "cpu":
         raise ValueError("paged_prefill_attention_cpu: out must match the query")
     block_tables = block_tables.to(torch.int32).contiguous()
@@ -248,8 +250,8 @@ def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_ca
     if batch and (int(query_start_loc[0]) < 0 or int(query_start_loc[-1]) > tokens):
         raise ValueError("paged_prefill_attention_cpu: query_start_loc runs past the query's tokens")
     rc = getattr(lib, f"strata_prefill_attention_{KERNEL_DTYPES[query.dtype]}")(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(), out.data_ptr(), out.stride(0),
+        query.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(), out.data_ptr(), out_stride,
         batch, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
     if rc == -1:
         raise ValueError("paged_prefill_attention_cpu: a chunk has more new tokens than context, a negative length, "
@@ -287,30 +289,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if out is None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         # The model's rows, twice a layer: the checks kept to what this case needs (each
         # microsecond here is paid 2 x layers times a step).
-        if (weight.numel() != hidden or not weight.is_contiguous()
-                or (residual is not None and residual.shape != x.shape)):
-            raise ValueError("rms_norm: shapes do not match")
-        out = torch.empty_like(x)
-        getattr(lib, f"strata_rms_norm_{KERNEL_DTYPES[x.dtype]}")(
-            x.data_ptr(), hidden, None if residual is None else residual.data_ptr(), hidden, weight.data_ptr(),
-            out.data_ptr(), hidden, x.numel() // hidden if hidden else 0, hidden, float(eps), torch.get_num_threads())
-        return out
-    if x.stride(-1) != 1 or (x.dim() > 2 and not all(x.stride(d - 1) == x.stride(d) * x.shape[d]
-                                                       for d in range(1, x.dim() - 1))):
-        x = x.contiguous()  # e.g. per-head norms of a view into the fused qkv
-    rows, x_stride = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype) if out is None else out
-    out_rows, out_stride = _rows(out)
-    res_stride = 0
-    if residual is not None:
-        res_rows, res_stride = _rows(residual)
-        if res_rows != rows:
+        if residual is not None and residual.shape != x.shape:
             raise ValueError("residual must match x")
-    if out_rows != rows or not weight.is_contiguous() or weight.numel() != x.shape[-1]:
+        out = torch.empty_like(x)
+        rows, x_stride, out_stride, res_stride = (x.numel() // hidden if hidden else 0), hidden, hidden, hidden
+    else:
+        if x.stride(-1) != 1 or (x.dim() > 2 and not all(x.stride(d - 1) == x.stride(d) * x.shape[d]
+                                                           for d in range(1, x.dim() - 1))):
+            x = x.contiguous()  # e.g. per-head norms of a view into the fused qkv
+        rows, x_stride = _rows(x)
+        out = torch.empty(x.shape, dtype=x.dtype) if out is None else out
+        out_rows, out_stride = _rows(out)
+        res_stride = 0
+        if residual is not None:
+            res_rows, res_stride = _rows(residual)
+            if res_rows != rows:
+                raise ValueError("residual must match x")
+        if out_rows != rows:
+            raise ValueError("rms_norm: shapes do not match")
+    if not weight.is_contiguous() or weight.numel() != hidden:
         raise ValueError("rms_norm: shapes do not match")
     getattr(lib, f"strata_rms_norm_{KERNEL_DTYPES[x.dtype]}")(
         x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(), res_stride, weight.data_ptr(),
-        out.data_ptr(), out_stride, rows, x.shape[-1], float(eps), torch.get_num_threads())
+        out.data_ptr(), out_stride, rows, hidden, float(eps), torch.get_num_threads())
     return out
 
 
@@ -321,13 +322,11 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
         raise ValueError("positions must be contiguous int64")
     if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
         raise ValueError("the rotary table must be contiguous fp32")
-    head_dim = q.shape[-1]
-    for t in (q, k):
-        if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError("q and k must be [tokens, heads, head_dim] with contiguous heads")
+    if k.shape[-1] != q.shape[-1] or k.shape[0] != q.shape[0]:
+        raise ValueError("q and k must have the same tokens and head_dim")
     getattr(lib, f"strata_rotary_{KERNEL_DTYPES[q.dtype]}")(
-        positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
-        cos_sin.data_ptr(), head_dim, q.shape[0], torch.get_num_threads())
+        positions.data_ptr(), q.data_ptr(), _token_stride(q, "q"), q.shape[1], k.data_ptr(), _token_stride(k, "k"),
+        k.shape[1], cos_sin.data_ptr(), q.shape[-1], q.shape[0], torch.get_num_threads())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,8 @@ static void pv_tile(const float *v, long v_stride, int tile, int head_dim, const
             const float *ph = p + h * p_stride;
             float *ah = acc + (long)h * head_dim + d0;
             __m512 a = _mm512_loadu_ps(ah);
-            for (int j = 0; j < tile; j++) a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_loadu_ps(v + j * v_stride + d0), a);
+            for (int j = 0; j < tile; j++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_loadu_ps(v + j * v_stride + d0), a);
             _mm512_storeu_ps(ah, a);
         }
 #endif
@@ -139,7 +140,7 @@ static void pv_tile(const float *v, long v_stride, int tile, int head_dim, const
  * SCORES16 reads (type TQ). k_scales/v_scales: the int8 cache's scales (unused otherwise). Writes per head
  * h: stats[2h] = max score, stats[2h + 1] = sum of exp(score - max), acc[h] = sum of
  * exp(score - max) * v (unnormalized). scores: scratch of num_heads * (t1 - t0) floats. */
-#define DEFINE_SPAN(NAME, T, TQ, LOAD, SCORES16, SCALE, V_IN_PLACE)                                            \
+#define DEFINE_SPAN(NAME, T, TQ, LOAD, SCORES16, SCALE, V_IN_PLACE)                                \
 static void NAME(const float *q, const TQ *qn, const T *k_cache, const T *v_cache,                \
                  const float *k_scales, const float *v_scales,                                     \
                  const int32_t *table, int t0, int t1, int num_heads, int num_kv_heads,            \

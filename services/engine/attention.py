@@ -111,11 +111,9 @@ class TorchAttention:
                 and self.head_dim % 16 == 0 and self.head_dim <= 256):
             # One call for every chunk, through the block tables: the new K/V are already stored.
             # The kernel takes any token stride (q is a view into the fused qkv), heads contiguous.
-            def heads_contiguous(t):
-                return t.stride(2) == 1 and t.stride(1) == self.head_dim
-            direct = heads_contiguous(out)
+            direct = cpu_kernels.heads_contiguous(out)
             o = cpu_kernels.paged_prefill_attention_cpu(
-                q if heads_contiguous(q) else q.contiguous(), k_cache, v_cache, meta.prefill_block_tables,
+                q if cpu_kernels.heads_contiguous(q) else q.contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                 meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out if direct else None)
             if not direct:
                 out.copy_(o)
