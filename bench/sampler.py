@@ -4,8 +4,10 @@ For each vocabulary and batch (default: 151,936 x 64 rows, the Qwen2.5 vocabular
 and each sampling setting, the time of `Sampler.prepare` + `Sampler.sample` on bf16 logits (the
 model's dtype), side by side with a reference sampler that does what Strata's sampler did before
 issue 16: logits copied to the host in fp32, the whole vocabulary sorted per row, a softmax and one
-`torch.multinomial` draw per row with its own generator. Rows carry 300 prompt and 100 output
-tokens, so penalties have counts to gather. Best of --repeats, after a warm-up.
+`torch.multinomial` draw per row with its own generator, and with the general path (the same
+sampler with its fused CPU kernel off: the candidates and whole-row draws in C, the rest as
+torch ops, as other devices run it). Rows carry 300 prompt and 100 output tokens, so penalties
+have counts to gather. Best of --repeats, after a warm-up.
 
     python bench/sampler.py [--threads 1] [--shapes 151936x64,32000x32] [--repeats 5]
 """
@@ -105,19 +107,20 @@ def main(argv=None) -> int:
         vocab, rows = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         logits = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
-        sampler = Sampler(vocab)
+        sampler, general = Sampler(vocab), Sampler(vocab, fused=False)
         print(f"\n-- vocab {vocab:,}, {rows} rows, {args.threads} thread(s): ms per step")
-        print(f"  {'setting':32s} {'strata':>9s} {'reference':>10s} {'speed-up':>9s}")
+        print(f"  {'setting':32s} {'strata':>9s} {'general':>9s} {'reference':>10s} {'speed-up':>9s}")
         for name, cfg in SETTINGS.items():
             seqs = make_seqs(SamplingParams(**cfg).resolved(), rows, vocab)
             # sample() may write its logits (penalties mask the seen ids): a fresh copy each time, untimed
             strata = best_ms(lambda x: sampler.sample(x, sampler.prepare(seqs)), args.repeats, logits.clone)
+            general_ms = best_ms(lambda x: general.sample(x, general.prepare(seqs)), args.repeats, logits.clone)
             ref = None if args.no_reference else best_ms(lambda: reference_sample(logits, seqs),
                                                          max(1, args.repeats // 2))
             ratio = f"{ref / strata:8.1f}x" if ref else "-"
-            print(f"  {name:32s} {strata:9.2f} {ref if ref else float('nan'):10.1f} {ratio:>9s}")
+            print(f"  {name:32s} {strata:9.2f} {general_ms:9.2f} {ref if ref else float('nan'):10.1f} {ratio:>9s}")
             rows_out.append({"vocab": vocab, "rows": rows, "setting": name, "strata_ms": strata,
-                             "reference_ms": ref})
+                             "general_path_ms": general_ms, "reference_ms": ref})
     write_results(args.out, args, {"rows": rows_out})
     return 0
 

@@ -18,6 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
@@ -84,12 +85,18 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, [p, n, n, n, i, i, p, p, p, i]
         fn = getattr(lib, f"strata_sample_rows_{suffix}")
         fn.restype, fn.argtypes = None, [p, n, n, n, p, p, p, p, p, i, p, i]
+        fn = getattr(lib, f"strata_logprob_rows_{suffix}")
+        fn.restype, fn.argtypes = None, [p, n, n, n, i, p, p, p, p, p, p, i]
+        fn = getattr(lib, f"strata_sample_fused_{suffix}")
+        fn.restype, fn.argtypes = n, [p, n, n, n, p, n, p, p, n, i, i, p, i]
         fn = getattr(lib, f"strata_qlinear_{suffix}")  # kernels/cpu/quant.py
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, i, p, i, n, p, p, n, i]
         fn = getattr(lib, f"strata_lora_sgmv_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, p, n, n, p, i, n, p, p, p, i, p, n, i]
         fn = getattr(lib, f"strata_prefill_attention_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, i, p, p, p, n, i, i, i, i, i, f, i]
+    lib.strata_counter_uniform.restype = ctypes.c_double
+    lib.strata_counter_uniform.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -369,6 +376,72 @@ def topk_with_ties(x: torch.Tensor, k: int, cap: int) -> tuple[torch.Tensor, tor
         x.data_ptr(), x.shape[0], x.shape[1], stride, k, cap, values.data_ptr(), indices.data_ptr(),
         counts.data_ptr(), torch.get_num_threads())
     return values, indices, counts
+
+
+def logprob_rows(x: torch.Tensor, n_top: int, targets: torch.Tensor | None = None):
+    """Log-softmax facts of [rows, vocab] raw logits (fp32/bf16, read in place: no fp32 copy):
+    (log-sum-exp fp32 [rows]; the n_top largest logprobs fp32 [rows, n_top] and their ids,
+    descending; and where targets ([rows] ids) is given, each target's logprob fp32 [rows] and
+    rank [rows], 1 + how many values exceed it, else None, None)."""
+    stride = _logit_rows(x)
+    rows = x.shape[0]
+    if not 0 <= n_top <= x.shape[1]:
+        raise ValueError(f"n_top must be in [0, {x.shape[1]}], got {n_top}")
+    lse = torch.empty(rows, dtype=torch.float32)
+    values = torch.empty((rows, n_top), dtype=torch.float32)
+    ids = torch.empty((rows, n_top), dtype=torch.int64)
+    target_logprob = target_rank = None
+    if targets is not None:
+        targets = targets.to(torch.int64).contiguous().view(-1)
+        if targets.numel() != rows or (rows and (int(targets.min()) < 0 or int(targets.max()) >= x.shape[1])):
+            raise ValueError("one target id per row, inside the vocabulary")
+        target_logprob, target_rank = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"strata_logprob_rows_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), rows, x.shape[1], stride, n_top, None if targets is None else targets.data_ptr(),
+        lse.data_ptr(), values.data_ptr(), ids.data_ptr(),
+        None if targets is None else target_logprob.data_ptr(), None if targets is None else target_rank.data_ptr(),
+        torch.get_num_threads())
+    return lse, values, ids, target_logprob, target_rank
+
+
+# One row of sample_fused: sampling.c's strata_sample_row, field for field.
+SAMPLE_ROW = np.dtype([
+    ("row", np.int64), ("seen_offset", np.int64), ("seed", np.uint64), ("position", np.int64),
+    ("temperature", np.float32), ("top_p", np.float32), ("log_min_p", np.float32),
+    ("repetition", np.float32), ("frequency", np.float32), ("presence", np.float32),
+    ("seen_len", np.int32), ("top_k", np.int32)], align=True)
+
+
+def sample_fused(x: torch.Tensor, rows: np.ndarray, seen_ids: np.ndarray, seen_counts: np.ndarray,
+                 tie_room: int, rounds: int, out: np.ndarray) -> int:
+    """Tokens for the sampled rows of [rows, vocab] logits (fp32/bf16), one C pass per row:
+    penalties, temperature, top-k (top_k 0: none), top-p and min-p applied and the draw made
+    with counter-based uniforms of (seed, position, round). `rows` is a SAMPLE_ROW array, rows
+    increasing; a row's seen ids are masked in x while it is read, then restored. out[row]
+    (int64, one per logits row) gets each row's token, -1 where a top-k row's ties with the k-th
+    value do not fit k + tie_room candidates, a whole row's `rounds` top-p rounds were all
+    rejected, or no value is finite; returns how many are -1. seen_ids / seen_counts: int64 /
+    fp32, each row's from its seen_offset. The kernel checks rows, top_k, temperatures, seen
+    ranges and ids against the tensors before touching any."""
+    stride = _logit_rows(x)
+    if rows.dtype != SAMPLE_ROW or seen_ids.dtype != np.int64 or seen_counts.dtype != np.float32 \
+            or out.dtype != np.int64 or out.size < x.shape[0] \
+            or not all(a.flags.c_contiguous for a in (rows, seen_ids, seen_counts, out)):
+        raise ValueError("sample_fused: rows as SAMPLE_ROW, seen ids int64, seen counts fp32, out int64 with a "
+                         "token per logits row, all contiguous")
+    left = getattr(load(), f"strata_sample_fused_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.shape[1], stride, rows.ctypes.data, len(rows), seen_ids.ctypes.data,
+        seen_counts.ctypes.data, min(seen_ids.size, seen_counts.size), tie_room, rounds, out.ctypes.data,
+        torch.get_num_threads())
+    if left == -2:
+        raise ValueError("sample_fused: a row, top_k, temperature, seen range or seen id outside its tensor, rows "
+                         "not increasing, or rounds outside [1, 64]")
+    return left
+
+
+def counter_uniform(seed: int, position: int, round_: int = 0) -> float:
+    """The C kernels' counter-based uniform (the sampler's counter_uniforms, one key)."""
+    return load().strata_counter_uniform(seed & (2 ** 64 - 1), position, round_)
 
 
 def sample_rows(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor,

@@ -8,7 +8,8 @@ skip prefix-cache hits (BlockManager.match_prefix), as vLLM does. A sequence rec
 preemption only computes the positions it has no entry for yet.
 
 Logprobs are the fp32 log-softmax of the raw logits (before temperature, penalties or any
-processor), as vLLM returns them.
+processor), as vLLM returns them. On CPU one C pass a row (kernels.cpu.logprob_rows) reads the
+logits in the model's dtype for the log-sum-exp, the target's logprob and rank, and the top-n.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.engine.sequence import Sequence
 
 
@@ -73,7 +75,15 @@ def compute(logits_of, hidden: torch.Tensor, rows: list[PromptLogprobRows], voca
     actual, ranks, top_values, top_ids = [], [], [], []
     for lo in range(0, len(index), ROWS_PER_SLICE):
         part = slice(lo, lo + ROWS_PER_SLICE)
-        logprobs = torch.log_softmax(logits_of(hidden[index[part]])[:, :vocab_size].float(), dim=-1)
+        logits = logits_of(hidden[index[part]])[:, :vocab_size]
+        if cpu_kernels.supports(logits) and logits.stride(-1) == 1:  # read in place: no fp32 log-softmax
+            _, values, ids, own, rank = cpu_kernels.logprob_rows(logits, k, targets[part])
+            actual += own.tolist()
+            ranks += rank.tolist()
+            top_values += values.tolist()
+            top_ids += ids.tolist()
+            continue
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         own = logprobs.gather(1, targets[part].view(-1, 1))
         ranks += ((logprobs > own).sum(dim=1) + 1).tolist()
         actual += own.view(-1).tolist()

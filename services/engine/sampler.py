@@ -12,20 +12,28 @@ token that crosses it and its ties included), min-p (probability at least min_p 
 largest). Nothing sorts the vocabulary: top-k rows pick among their k largest values and the
 k-th's ties; rows without top-k sample the whole row by inverse CDF, and top-p there is exact
 rejection sampling (draw from the row above a pivot, accept if the token is inside the top-p
-set, else raise the pivot to it), which needs about 1 / top_p rounds. On CPU the vocabulary-wide
-passes (argmax, top-k candidates, whole-row draws) are C kernels (kernels/cpu/sampling.c) that
-read the logits in the model's dtype; elsewhere the same steps run as torch ops.
+set, else raise the pivot to it), which needs about 1 / top_p rounds.
+
+On CPU every sampled row takes one C call for the whole step (kernels/cpu/sampling.c,
+`sample_fused`): per row, penalties on its seen ids, the candidates or the whole-row weights,
+the filters and the draw, reading the logits in the model's dtype, with no torch op in between
+(a step of sampled rows cost as much Python as its arithmetic before). The rare rows it hands
+back (top-k ties past the candidates' room, a whole row rejected CPU_SAMPLE_ROUNDS times) and
+greedy rows take the general path, which on other devices runs as torch ops and on CPU uses C
+for its vocabulary-wide passes (argmax, top-k candidates, whole-row draws).
 
 Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
 min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
 
 Randomness: every draw is one uniform per row. Seeded rows take it from a counter-based hash of
 (seed, output position, round), so a row's tokens depend on nothing else in the batch and a
-resumed stream needs no replay of earlier draws; other rows share the engine's generator.
+resumed stream needs no replay of earlier draws; other rows share the engine's generator (in
+the fused kernel: a key drawn from it each step, hashed the same way).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +52,7 @@ MERGED_TIE_ROOM = 64  # the same after merging penalized seen ids: torch's topk 
 TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
 
 _MASK64 = (1 << 64) - 1
+_NO_SEEN_IDS, _NO_SEEN_COUNTS = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -84,6 +93,7 @@ class Penalties:
     index: dict[int, int]  # batch row -> its row here
     ids: torch.Tensor  # [p, L] seen ids
     distinct: torch.Tensor  # [p, L] bool: not padding
+    lengths: np.ndarray  # [p] on the host: each row's distinct ids (the rest of its row is padding)
     output_counts: torch.Tensor  # [p, L] fp32: how often the id occurs among the row's output tokens
     repetition: torch.Tensor | None  # [p, 1]; None when no row has one
     frequency: torch.Tensor | None  # [p, 1]; None (with presence) when no row has either
@@ -97,6 +107,7 @@ class SamplingBatch:
     num_rows: int
     device: torch.device
     all_greedy: bool = True
+    greedy_rows: list[int] = field(default_factory=list)
     temperature: torch.Tensor | None = None  # [n, 1]; 1 on greedy rows
     top_k_rows: list[int] = field(default_factory=list)  # sampled rows with top-k on
     top_k: torch.Tensor | None = None  # [len(top_k_rows), 1] int64
@@ -115,12 +126,21 @@ class SamplingBatch:
     logprob_counts: list[int] = field(default_factory=list)
     grammar_masks: object = None  # structured outputs: structured.StepMasks, or None
     processors: logits_processors.LogitsProcessing | None = None  # logit_bias, bad_words, ...
+    # CPU: the sampled rows' parameters for the fused kernel (kernels.cpu.SAMPLE_ROW), and the
+    # penalized rows' seen ids and output counts it reads (flat, from each row's seen_offset).
+    fused_table: np.ndarray | None = None
+    seen_ids: np.ndarray | None = None
+    seen_counts: np.ndarray | None = None
+    unseeded: np.ndarray | None = None  # [len(fused_table)] bool: rows whose key is drawn afresh each step
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", fused: bool = True):
+        """fused: on CPU, sampled rows go through the fused C kernel; False keeps them on the
+        general path, as other devices run it (bench/sampler.py compares the two)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.fused = fused
         self.generator = torch.Generator()  # unseeded rows; seeded once so runs are repeatable
         self.generator.manual_seed(0)
         self._f32_buffer: torch.Tensor | None = None
@@ -137,6 +157,7 @@ class Sampler:
                 batch.logprob_counts.append(p.logprobs)
         greedy = [p.greedy for p in params]
         sampled = [i for i, g in enumerate(greedy) if not g]
+        batch.greedy_rows = [i for i, g in enumerate(greedy) if g]
         batch.all_greedy = not sampled
         if self.structured is not None:
             batch.grammar_masks = self.structured.prepare_masks(seqs, dev)
@@ -171,7 +192,38 @@ class Sampler:
         batch.any_min_p = any(params[i].min_p > 0.0 for i in sampled)
         if batch.any_min_p:
             batch.log_min_p = column([float(np.log(p.min_p)) if p.min_p > 0 else NEG_INF for p in params])
+        if dev.type == "cpu" and self.fused:
+            self._prepare_fused_table(seqs, batch)
         return batch
+
+    @staticmethod
+    def _prepare_fused_table(seqs: list[Sequence], batch: SamplingBatch) -> None:
+        """The fused CPU kernel's view of the sampled rows: one SAMPLE_ROW each (the keys of
+        unseeded rows are drawn at sample time, from the sampler's generator)."""
+        top_k_rows = set(batch.top_k_rows)
+        rows = sorted(batch.top_k_rows + batch.full_rows)
+        ps = [seqs[i].params for i in rows]
+        table = np.zeros(len(rows), dtype=cpu_kernels.SAMPLE_ROW)
+        table["row"] = rows
+        table["temperature"] = [p.temperature for p in ps]
+        table["top_k"] = [p.top_k if r in top_k_rows else 0 for r, p in zip(rows, ps)]
+        table["top_p"] = [p.top_p for p in ps]
+        table["log_min_p"] = [np.log(p.min_p) if p.min_p > 0 else NEG_INF for p in ps]
+        table["seed"] = [(p.seed or 0) & _MASK64 for p in ps]
+        table["position"] = [seqs[i].num_output_tokens for i in rows]
+        table["repetition"] = 1.0
+        if (pen := batch.penalties) is not None:
+            width = pen.ids.shape[1]
+            for j, (row, p) in enumerate(zip(rows, ps)):
+                if (prow := pen.index.get(row)) is not None:
+                    table[j]["seen_offset"] = prow * width
+                    table[j]["seen_len"] = pen.lengths[prow]
+                    table[j]["repetition"] = p.repetition_penalty
+                    table[j]["frequency"] = p.frequency_penalty
+                    table[j]["presence"] = p.presence_penalty
+            batch.seen_ids, batch.seen_counts = pen.ids.numpy().reshape(-1), pen.output_counts.numpy().reshape(-1)
+        batch.fused_table = table
+        batch.unseeded = np.array([p.seed is None for p in ps])
 
     def _prepare_penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
         dev = self.device
@@ -193,7 +245,8 @@ class Sampler:
         any_count = any(p.frequency_penalty or p.presence_penalty for p in ps)
         return Penalties(
             rows=torch.tensor(rows).to(dev), index={r: j for j, r in enumerate(rows)}, ids=torch.from_numpy(ids).to(dev),
-            distinct=torch.from_numpy(distinct).to(dev), output_counts=torch.from_numpy(counts).to(dev),
+            distinct=torch.from_numpy(distinct).to(dev), lengths=lengths,
+            output_counts=torch.from_numpy(counts).to(dev),
             # As in transformers/CTRL: over prompt and output tokens.
             repetition=column([p.repetition_penalty for p in ps]) if any_repetition else None,
             # As in the OpenAI API: over generated tokens only.
@@ -218,12 +271,40 @@ class Sampler:
             logits = logits_processors.apply(logits, batch.processors)
         if batch.grammar_masks is not None:  # after the processors: the grammar has the last word
             logits = structured_masks(logits, batch.grammar_masks, self.vocab_size)
-        seen = None
-        if (pen := batch.penalties) is not None:
-            seen = self.penalized_values(logits, pen)
-            logits[pen.rows.view(-1, 1), pen.ids] = NEG_INF
-        chosen = self._draw(logits, batch, seen)
+        chosen, rest = None, batch
+        if batch.fused_table is not None and cpu_kernels.supports(logits) and logits.stride(-1) == 1:
+            chosen, rest = self._draw_fused(logits, batch)
+        if rest is not None:  # rows left for the general path
+            seen = None
+            if (pen := rest.penalties) is not None:
+                seen = self.penalized_values(logits, pen)
+                logits[pen.rows.view(-1, 1), pen.ids] = NEG_INF
+            chosen = self._draw(logits, rest, seen, chosen)
         return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
+
+    def _draw_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SamplingBatch | None]:
+        """The sampled rows in the fused C kernel (penalties, candidates or whole-row weights,
+        filters, draw: one pass a row). An unseeded row's key is a fresh draw from the sampler's
+        generator. Returns the tokens so far and the batch narrowed to the rows left for the
+        general path (greedy rows, and the rare rows the kernel hands back), or None."""
+        table = batch.fused_table
+        if batch.unseeded.any():
+            keys = torch.randint(-2 ** 63, 2 ** 63 - 1, (int(batch.unseeded.sum()),), generator=self.generator)
+            table["seed"][batch.unseeded] = keys.numpy().view(np.uint64)
+        tokens = np.empty(logits.shape[0], dtype=np.int64)
+        left = cpu_kernels.sample_fused(logits, table, _NO_SEEN_IDS if batch.seen_ids is None else batch.seen_ids,
+                                        _NO_SEEN_COUNTS if batch.seen_counts is None else batch.seen_counts,
+                                        TOP_K_TIE_ROOM, CPU_SAMPLE_ROUNDS, tokens)
+        chosen = torch.from_numpy(tokens)
+        if not (left or batch.greedy_rows):
+            return chosen, None
+        top_k_left = [j for j, row in enumerate(batch.top_k_rows) if tokens[row] < 0]
+        narrowed = dataclasses.replace(
+            batch, fused_table=None, top_k_rows=[batch.top_k_rows[j] for j in top_k_left],
+            top_k=batch.top_k[top_k_left] if top_k_left else None,
+            max_top_k=int(batch.top_k[top_k_left].max()) if top_k_left else 0,
+            full_rows=[row for row in batch.full_rows if tokens[row] < 0])
+        return chosen, narrowed
 
     def raw_logprobs(self, logits: torch.Tensor, batch: SamplingBatch):
         """What `logprob_results` needs, taken from the raw logits (before anything changes them);
@@ -309,14 +390,18 @@ class Sampler:
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
         """What the raw logits' (before penalties and temperature) log-softmax is needed for, asking
-        rows only: logprob = logit - logsumexp(row). The rows stay in the model's dtype and only
-        their log-sum-exp is computed in fp32, a few rows at a time: a whole [rows, vocab] fp32
-        log-softmax costs more in memory traffic than the arithmetic."""
+        rows only: logprob = logit - logsumexp(row). The rows stay in the model's dtype: on CPU
+        one C pass a row gives the log-sum-exp and the top-n; elsewhere only the log-sum-exp is
+        computed in fp32, a few rows at a time (a whole [rows, vocab] fp32 log-softmax costs more
+        in memory traffic than the arithmetic)."""
         raw = logits[batch.logprob_rows]
+        k = max(batch.logprob_counts)
+        if cpu_kernels.supports(raw):  # one C pass a row: log-sum-exp and top-k together
+            lse, values, ids, _, _ = cpu_kernels.logprob_rows(raw, k)
+            return raw, lse, values, ids
         lse = torch.empty(raw.shape[0], dtype=torch.float32, device=raw.device)
         for start in range(0, raw.shape[0], Sampler.LSE_ROWS):
             lse[start:start + Sampler.LSE_ROWS] = torch.logsumexp(raw[start:start + Sampler.LSE_ROWS].float(), dim=-1)
-        k = max(batch.logprob_counts)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return raw, lse, values.float() - lse[:, None], ids
 
@@ -360,13 +445,15 @@ class Sampler:
                 u[list(index)] = torch.from_numpy(counter_uniforms(list(seeds), list(positions), round_))
         return u.view(-1, 1).to(self.device, non_blocking=True)
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None) -> torch.Tensor:
-        """`logits` with the penalized rows' seen ids masked; `seen` their penalized values."""
-        sampled = set(batch.top_k_rows) | set(batch.full_rows)
-        greedy = [i for i in range(batch.num_rows) if i not in sampled]
-        if not sampled:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None,
+              chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits` with the penalized rows' seen ids masked; `seen` their penalized values;
+        `chosen`: the tokens of rows already drawn, if any (the batch lists only the others)."""
+        greedy = batch.greedy_rows
+        if chosen is None and batch.all_greedy:
             return self._argmax_rows(logits, greedy, batch, seen)
-        chosen = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
+        if chosen is None:
+            chosen = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
         if greedy:
             chosen[greedy] = self._argmax_rows(logits, greedy, batch, seen)
         fallback: list[int] = []

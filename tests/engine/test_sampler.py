@@ -8,9 +8,23 @@ import random
 import pytest
 import torch
 
+from kernels import cpu as cpu_kernels
+from services.engine import sampler as sampler_module
 from services.engine.sampler import Sampler, counter_uniforms
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
+
+
+@pytest.fixture(params=["fused", "general"], autouse=True)
+def sampler_path(request, monkeypatch) -> str:
+    """Every test on both CPU paths of the top-k rows: the fused C kernel (penalties, candidates,
+    filters and draw in one pass) and the general path (candidates in C, the rest in torch, as on
+    other devices)."""
+    if request.param == "fused" and cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    if request.param == "general":
+        monkeypatch.setattr(Sampler, "_prepare_fused_table", staticmethod(lambda seqs, batch: None))
+    return request.param
 
 
 def rows(params: list[SamplingParams], prompt=(1, 2, 3), outputs=()) -> list[Sequence]:
@@ -219,11 +233,11 @@ def test_penalized_rows_draw_as_if_their_logits_were_penalized_first(extra):
     assert len(set(want)) > 3
 
 
-def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monkeypatch):
-    """More values tied with the k-th after the penalties than the merged candidates hold: the
-    rows must go the full-row way and draw only from the densely penalized rows' kept set (the
-    k-th value and its ties), seen and unseen ids alike."""
-    from services.engine import sampler as sampler_module
+def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monkeypatch, sampler_path):
+    """More values tied with the k-th after the penalties than the general path's merged
+    candidates hold: its rows must go the full-row way and draw only from the densely penalized
+    rows' kept set (the k-th value and its ties), seen and unseen ids alike. The fused kernel
+    merges every seen value at or above the unseen k-th, so it keeps them all itself."""
     vocab, k, n = 3000, 5, 64
     seen_ids = list(range(100, 100 + sampler_module.MERGED_TIE_ROOM + 40))
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3))
@@ -238,8 +252,34 @@ def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monke
     draw_full = Sampler._draw_full
     monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
     drawn = sampler.sample(logits.clone(), batch).token_ids
-    assert sorted(full_rows) == list(range(n))
+    assert sorted(full_rows) == (list(range(n)) if sampler_path == "general" else [])
     assert set(drawn) <= kept and set(drawn) & set(seen_ids) and len(set(drawn)) > n // 2
+
+
+def test_ties_past_the_tie_room_take_the_full_row(monkeypatch, sampler_path):
+    """More values tied with the k-th than k + TOP_K_TIE_ROOM candidates: on either path the
+    rows go the full-row way and every tie stays drawable."""
+    vocab, k, n, ties = 3000, 4, 48, sampler_module.TOP_K_TIE_ROOM + 100
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) - 5
+    logits[:, 1000:1000 + ties] = 2.0
+    full_rows = []
+    draw_full = Sampler._draw_full
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    sampler = Sampler(vocab)
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=i, repetition_penalty=1.2 if i % 2 else 1.0)
+              for i in range(n)]
+    drawn = sampler.sample(logits.clone(), sampler.prepare(rows(params))).token_ids
+    assert sorted(full_rows) == list(range(n))
+    assert set(drawn) <= set(range(1000, 1000 + ties)) and len(set(drawn)) > n // 2
+
+
+def test_the_c_counter_uniform_is_the_samplers():
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    seeds, positions = [0, 42, 2 ** 63 + 5, -7], [0, 1, 12345, 2 ** 31]
+    for round_ in (0, 3):
+        assert [cpu_kernels.counter_uniform(s, p, round_) for s, p in zip(seeds, positions)] == \
+            counter_uniforms(seeds, positions, round_).tolist()
 
 
 def test_logprobs_only_for_rows_that_ask_and_from_the_raw_logits():
@@ -265,3 +305,30 @@ def test_greedy_rows_in_a_sampled_batch_take_the_argmax():
     out = sampler.sample(logits.clone(), sampler.prepare(rows(params)))
     for i in range(1, 8, 2):
         assert out.token_ids[i] == int(logits[i].argmax())
+
+
+def test_whole_rows_rejected_every_c_round_finish_on_the_general_path(monkeypatch, sampler_path):
+    """A tiny top-p over a flat row: the pivot needs more rounds than the C kernel makes
+    (CPU_SAMPLE_ROUNDS), so some rows are handed back; they still draw inside the top-p set."""
+    vocab = 3000
+    logits = random_logits(vocab, 8, ties=False) * 0.5
+    expected = reference_set(logits, top_p=0.005)
+    full_rows = []
+    draw_full = Sampler._draw_full
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    drawn = draw(logits, 48, temperature=1.0, top_p=0.005)
+    assert set(drawn) <= expected and len(set(drawn)) > 1
+    assert 0 < len(full_rows) < 48 if sampler_path == "fused" else len(full_rows) == 48
+
+
+def test_a_row_masked_below_k_finite_values_draws_among_them(monkeypatch):
+    """A grammar or allowed_token_ids can leave fewer finite logits than top_k: the row draws
+    among those, on the candidate path (no whole-row fallback)."""
+    vocab = 5000
+    logits = torch.full((vocab,), float("-inf"))
+    logits[[7, 300, 4100]] = torch.tensor([1.0, 0.5, 0.2])
+    full_rows = []
+    draw_full = Sampler._draw_full
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    drawn = draw(logits, 600, temperature=1.0, top_k=50, top_p=0.99, repetition_penalty=1.2)
+    assert set(drawn) == {7, 300, 4100} and not full_rows
