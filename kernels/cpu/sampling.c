@@ -322,9 +322,10 @@ double strata_counter_uniform(uint64_t seed, int64_t position, int64_t round_) {
 }
 
 /* Penalized values of the seen ids, as the torch path computes them in fp32: repetition (divide
- * positive, multiply negative), then frequency and presence over output counts. True division:
- * the file's -freciprocal-math would otherwise turn it into a multiply by 1/penalty. */
-__attribute__((noinline, optimize("no-reciprocal-math")))
+ * positive, multiply negative), then frequency and presence over output counts. True division
+ * and the torch path's order of operations: the file's -freciprocal-math and -fassociative-math
+ * would otherwise allow a multiply by 1/penalty and a regrouped subtraction. */
+__attribute__((noinline, optimize("no-reciprocal-math", "no-associative-math")))
 static void penalize(const float *raw, const float *counts, long n, const strata_sample_row *p, float *out) {
     for (long j = 0; j < n; j++) {
         float v = raw[j];
