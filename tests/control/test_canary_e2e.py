@@ -90,8 +90,9 @@ def check_canary_and_rollback(stack, control, tiny_model_dir):
         assert len(window) == 300, f"only {len(window)} requests in 120 s"
         share = window.count(2) / len(window)
         print(f"canary share over 300 requests: {share:.1%} (asked: 20%)")
-        # Binomial(300, 0.2): three standard deviations are 6.9 points.
-        assert 0.13 <= share <= 0.27, f"canary share {share:.2%}"
+        # Binomial(300, 0.2) falls outside 10-30% once in 67,000 runs (three standard
+        # deviations, 13-27%, failed once in 520); an even split or none would still fail.
+        assert 0.10 <= share <= 0.30, f"canary share {share:.2%}"
         assert set(window) <= {1, 2}
 
         status = control.status("canary-demo")
