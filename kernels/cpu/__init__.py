@@ -23,7 +23,7 @@ import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
                                                                  "quant_linear.c", "lora.c",
-                                                                 "prefill_attention.c")]
+                                                                 "prefill_attention.c", "blocked_linear.c")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -95,6 +95,9 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, p, n, n, p, i, n, p, p, p, i, p, n, i]
         fn = getattr(lib, f"strata_prefill_attention_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, i, p, p, p, n, i, i, i, i, i, f, i]
+    lib.strata_blocked_linear_available.restype, lib.strata_blocked_linear_available.argtypes = i, []
+    lib.strata_blocked_linear_bf16.restype = i  # kernels/cpu/blocked_linear.py
+    lib.strata_blocked_linear_bf16.argtypes = [p, n, n, n, p, n, p, p, n, i]
     lib.strata_counter_uniform.restype = ctypes.c_double
     lib.strata_counter_uniform.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64]
     return lib

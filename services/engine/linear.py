@@ -1,10 +1,15 @@
 """One linear layer's weight, held in the layout its device's matmul reads fastest.
 
-On CPU (fp32 or bf16) the weight is reordered once, at load, into oneDNN's blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
-vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
-inside every call; at decode batch sizes that costs as much as the product itself, and the
-packed weights run the model's linear shapes 1.3-3x faster. The plain weight is not kept.
+On CPU the weight is laid out once, at load, for the kernel that runs it, and the plain weight
+is not kept:
+- bf16 on a CPU with AVX512-BF16: kernels/cpu/blocked_linear.c's layout, 16 output channels by
+  pairs of inputs. One sequential stream per thread, no per-call dispatch: decode batches of
+  1-8 rows run 1.1-1.9x faster than oneDNN's packed matmul, 32-64 rows the same or a little
+  faster (bench/blocked_linear.py), and rows need no padding to shape buckets.
+- otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
+  vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
+  inside every call; at decode batch sizes that costs as much as the product itself.
 Elsewhere (CUDA, a torch without oneDNN, bf16 on a CPU without oneDNN's bf16 path) the weight
 stays plain and `F.linear` runs.
 """
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu import blocked_linear
 
 # The batch size oneDNN tunes the packed layout for (as vLLM's CPU backend does): good from
 # decode batches to prefill chunks.
@@ -43,17 +50,37 @@ def cpu_prepacking_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def cpu_layout(weight: torch.Tensor) -> str:
+    """The layout a CPU weight is held in: "blocked" (Strata's bf16 kernel), "onednn" (oneDNN's
+    packed matmul) or "plain" (F.linear)."""
+    if blocked_linear.packable(weight) and blocked_linear.available():
+        return "blocked"
+    return "onednn" if cpu_prepacking_available(weight.dtype) else "plain"
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool | None = None):
+        """prepack: lay the weight out for the CPU's kernel (default: on CPU); False keeps it plain."""
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
-        self.bias = bias
         if prepack is None:
-            prepack = weight.device.type == "cpu" and cpu_prepacking_available(weight.dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if prepack else None
-        self.weight = None if prepack else weight
+            prepack = weight.device.type == "cpu"
+        self.layout = cpu_layout(weight) if prepack else "plain"
+        self.blocked = blocked_linear.pack(weight, bias) if self.layout == "blocked" else None
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+                       if self.layout == "onednn" else None)
+        self.weight = weight if self.layout == "plain" else None
+        self.bias = None if self.layout == "blocked" else bias  # the blocked kernel holds it, in fp32
+
+    @property
+    def wants_row_buckets(self) -> bool:
+        """Whether calls should come at bucketed row counts (linear.row_bucket): oneDNN builds a
+        primitive per shape; the blocked kernel and F.linear take any count as it is."""
+        return self.layout == "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            return blocked_linear.linear(x, self.blocked)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -61,6 +88,8 @@ class Linear:
     @property
     def nbytes(self) -> int:
         """Bytes the weight (and bias) occupy as held."""
+        if self.blocked is not None:
+            return self.blocked.nbytes
         held = torch.ops.mkldnn._nbytes(self.packed) if self.packed is not None \
             else self.weight.numel() * self.weight.element_size()
         return held + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

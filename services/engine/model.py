@@ -62,9 +62,9 @@ class LlamaModel:
         self.rope = compute_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                           c.rope_scaling).to(device)
         self.attn = ops.attention_cls(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
-        # Packed CPU matmuls run at bucketed row counts (linear.row_bucket): the step's rows are
+        # oneDNN's packed matmuls run at bucketed row counts (linear.row_bucket): the step's rows are
         # padded once at the embedding, and attention writes its real rows into a padded buffer.
-        self.pads_rows = all(isinstance(lin, Linear) and lin.packed is not None for lin in self._linear_shapes())
+        self.pads_rows = all(isinstance(lin, Linear) and lin.wants_row_buckets for lin in self._linear_shapes())
 
     def _linear_shapes(self) -> list:
         """One linear of each shape (oneDNN's primitives are per shape, not per weight)."""

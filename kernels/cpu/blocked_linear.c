@@ -1,0 +1,114 @@
+/* bf16 linear layers on CPUs with AVX512-BF16: y = x W^T (+ bias), W read in a blocked layout.
+ *
+ * oneDNN's packed matmul pays about 20 us a call before any arithmetic (dispatch, primitive
+ * lookup) and reads its layout at 15-25 GB/s for one row; a decode step at batch 1 is a few dozen
+ * of those calls, each bound by the bytes of weight it reads. This layout makes each thread's
+ * share of W one sequential stream, and one instruction (vdpbf16ps) multiplies 16 output channels
+ * by a pair of inputs: one row reads W at 35-42 GB/s, and from 32 rows up the same loop runs at
+ * oneDNN's rate or above (bench/blocked_linear.py).
+ *
+ * Layout (kernels/cpu/blocked_linear.py writes it): W's N rows padded to a multiple of 16, as
+ * [N/16][K/2][16] 32-bit words; word (b, p, l) holds the bf16 pair W[16b + l, 2p], W[16b + l, 2p+1]
+ * (K even). A 64-byte load is 16 channels' next two inputs; vdpbf16ps adds both products to each
+ * channel's fp32 sum. Sums start at the bias (fp32) and are rounded to bf16 once, at the store.
+ *
+ * Work: tiles of up to 4 rows of x by 4 blocks of 16 channels (16 accumulators in registers). A
+ * work item is one group of 4 blocks over one chunk of rows; items are numbered group-major, so
+ * a thread's contiguous share walks all the rows of a group while the group's slab of W (at most
+ * 64 x K x 2 bytes) stays in its L2.
+ */
+#include <stdint.h>
+#include <string.h>
+
+int strata_blocked_linear_available(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define LANES 16
+#define MT 4          /* rows of x per tile */
+#define NT 4          /* blocks of 16 channels per tile */
+#define ROW_CHUNK 256 /* rows per work item: x's share of a chunk stays in L2/L3 */
+
+/* rows (<= MT) x blocks (<= NT) of y; `valid` channels of the last block are stored. */
+static inline __attribute__((always_inline)) void tile(const int rows, const int blocks, const uint16_t *x,
+                                                       long x_stride, long pairs, const uint32_t *w,
+                                                       long block_words, const float *bias, int valid,
+                                                       uint16_t *y, long y_stride)
+{
+    __m512 acc[MT][NT];
+    for (int b = 0; b < blocks; b++) {
+        const __m512 start = bias ? _mm512_loadu_ps(bias + b * LANES) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) acc[m][b] = start;
+    }
+    for (long p = 0; p < pairs; p++) {
+        __m512bh wv[NT];
+        for (int b = 0; b < blocks; b++) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_words + p * LANES);
+        for (int m = 0; m < rows; m++) {
+            uint32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int b = 0; b < blocks; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int b = 0; b < blocks; b++) {
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][b]);
+            uint16_t *dst = y + m * y_stride + b * LANES;
+            if (b < blocks - 1 || valid == LANES) _mm256_storeu_si256((__m256i *)dst, out);
+            else _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), out);
+        }
+}
+
+/* Every tile shape, so that each loop above has constant bounds (registers, no spills). */
+#define TILE_CASE(R, B) \
+    case (R) * 8 + (B): tile(R, B, x, x_stride, pairs, w, block_words, bias, valid, y, y_stride); return;
+static void tile_dispatch(int rows, int blocks, const uint16_t *x, long x_stride, long pairs, const uint32_t *w,
+                          long block_words, const float *bias, int valid, uint16_t *y, long y_stride)
+{
+    switch (rows * 8 + blocks) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+    }
+}
+#endif
+
+/* x: [M][K] bf16, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight;
+ * bias: fp32 [N padded to 16] or NULL; y: [M][N] bf16, rows y_stride apart.
+ * Returns 0, or -1 where this CPU has no AVX512-BF16 (the caller checked _available first). */
+int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride, const uint32_t *w, long N,
+                               const float *bias, uint16_t *y, long y_stride, int num_threads)
+{
+#if defined(__AVX512BF16__)
+    const long pairs = K / 2, block_words = pairs * LANES;
+    const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
+    const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if(items > 1)
+    for (long item = 0; item < items; item++) {
+        const long g = item / chunks, chunk = item % chunks;
+        const long b0 = g * NT, blocks = n_blocks - b0 < NT ? n_blocks - b0 : NT;
+        const long n0 = b0 * LANES, last = N - (b0 + blocks - 1) * LANES;
+        const int valid = last < LANES ? (int)last : LANES;
+        const long r_end = (chunk + 1) * ROW_CHUNK < M ? (chunk + 1) * ROW_CHUNK : M;
+        for (long r = chunk * ROW_CHUNK; r < r_end; r += MT) {
+            const int rows = r_end - r < MT ? (int)(r_end - r) : MT;
+            tile_dispatch(rows, (int)blocks, x + r * x_stride, x_stride, pairs, w + b0 * block_words, block_words,
+                          bias ? bias + n0 : NULL, valid, y + r * y_stride + n0, y_stride);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)x_stride; (void)w; (void)N; (void)bias; (void)y; (void)y_stride;
+    (void)num_threads;
+    return -1;
+#endif
+}

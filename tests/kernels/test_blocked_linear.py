@@ -1,0 +1,86 @@
+"""The bf16 blocked linear kernel (kernels/cpu/blocked_linear.c) against an fp32 matmul: every
+tile shape (1-4 rows by 1-4 blocks, a partial last block), row chunks, strided inputs, the bias;
+and the layer that holds a weight in its layout."""
+
+import pytest
+import torch
+
+from kernels.cpu import blocked_linear
+from services.engine.linear import Linear, cpu_layout
+
+pytestmark = pytest.mark.skipif(not blocked_linear.available(),
+                                reason="no AVX512-BF16 on this CPU (or no C compiler): oneDNN runs bf16 weights")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ w.float().t()
+    return out + bias.float() if bias is not None else out
+
+
+def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """got is exact rounded to bf16, give or take one bf16 step (fp32 sums in another order)."""
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-30)
+    assert ((got.float() - exact).abs() <= step).all()
+
+
+# (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
+# group of 4 (N = 64 + 16, + 33, + 48), rows 1-9 (every tile height and a remainder), 300 rows (two
+# chunks of 256, the second not a multiple of 4), K of 2 (one pair).
+SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
+          (1152, 896, 1), (300, 64, 300)]
+
+
+@pytest.mark.parametrize("n,k,rows", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_an_fp32_matmul_rounded_once(n, k, rows, with_bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    assert_rounded_from(blocked_linear.linear(x, blocked_linear.pack(w, bias)), reference(x, w, bias))
+
+
+def test_strided_and_batched_inputs_and_any_thread_count_give_the_same_bits():
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(136, 64, generator=g).bfloat16(), torch.randn(136, generator=g).bfloat16()
+    packed = blocked_linear.pack(w, bias)
+    wide = torch.randn(11, 96, generator=g).bfloat16()
+    x = wide[:, 16:80]  # rows 96 apart: read in place
+    out = blocked_linear.linear(x, packed)
+    assert_rounded_from(out, reference(x, w, bias))
+    assert torch.equal(blocked_linear.linear(x.contiguous(), packed), out)
+    assert torch.equal(blocked_linear.linear(x.contiguous().view(1, 11, 64), packed), out.view(1, 11, 136))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(blocked_linear.linear(x, packed), out)  # one tile computes each output
+    finally:
+        torch.set_num_threads(threads)
+    assert blocked_linear.linear(x[:0], packed).shape == (0, 136)
+
+
+def test_what_the_kernel_does_not_take_is_refused():
+    for weight in (torch.randn(16, 7).bfloat16(), torch.randn(16, 8), torch.randn(16, 0).bfloat16()):
+        assert not blocked_linear.packable(weight)
+        with pytest.raises(ValueError, match="blocked weight"):
+            blocked_linear.pack(weight)
+    packed = blocked_linear.pack(torch.randn(16, 8).bfloat16())
+    with pytest.raises(ValueError, match="bf16 CPU activations"):
+        blocked_linear.linear(torch.randn(2, 8), packed)
+    with pytest.raises(ValueError, match="8 inputs got 6"):
+        blocked_linear.linear(torch.randn(2, 6).bfloat16(), packed)
+
+
+def test_the_layer_holds_bf16_weights_blocked_and_others_as_before():
+    g = torch.Generator().manual_seed(2)
+    w, bias = torch.randn(48, 32, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    layer = Linear(w, bias)
+    assert layer.layout == "blocked" and layer.weight is None and not layer.wants_row_buckets
+    assert layer.nbytes == 48 * 32 * 2 + 48 * 4  # the weight, and the bias held in fp32
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    assert_rounded_from(layer(x), reference(x, w, bias))
+    assert cpu_layout(torch.randn(48, 31).bfloat16()) != "blocked"  # odd K: oneDNN (or F.linear)
+    assert Linear(w, prepack=False).layout == "plain"
+    fp32 = Linear(w.float())
+    assert fp32.layout in ("onednn", "plain") and fp32.wants_row_buckets == (fp32.layout == "onednn")
