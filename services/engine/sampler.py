@@ -34,6 +34,7 @@ the fused kernel: a key drawn from it each step, hashed the same way).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,24 +81,77 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
-@dataclass
 class Penalties:
     """The rows with a penalty and, for each, every distinct id it has seen (prompt and output,
-    in first-seen order: services.engine.seen_tokens), as one rectangle: a penalty changes only
-    those ids' logits, so the sampler gathers them, penalizes them in fp32, and never needs an
-    fp32 copy of a whole row to do it. Padding repeats the row's first id with its count, so
-    writing the penalized values back writes equal values for equal ids; `distinct` is False
-    there."""
+    in first-seen order: services.engine.seen_tokens). A penalty changes only those ids'
+    logits, so the sampler gathers them, penalizes them in fp32, and never needs an fp32 copy
+    of a whole row to do it.
 
-    rows: torch.Tensor  # [p] row indices into the batch
-    index: dict[int, int]  # batch row -> its row here
-    ids: torch.Tensor  # [p, L] seen ids
-    distinct: torch.Tensor  # [p, L] bool: not padding
-    lengths: np.ndarray  # [p] on the host: each row's distinct ids (the rest of its row is padding)
-    output_counts: torch.Tensor  # [p, L] fp32: how often the id occurs among the row's output tokens
-    repetition: torch.Tensor | None  # [p, 1]; None when no row has one
-    frequency: torch.Tensor | None  # [p, 1]; None (with presence) when no row has either
-    presence: torch.Tensor | None  # [p, 1]
+    Held as one flat run of ids and output counts, each row's from its offset (what the fused
+    CPU kernel reads, as it is); the general path's view, one rectangle of tensors, is built on
+    first use. There, padding repeats the row's first id with its count, so writing the
+    penalized values back writes equal values for equal ids; `distinct` is False there."""
+
+    def __init__(self, rows: list[int], seen: list[tuple[np.ndarray, np.ndarray]], params: list,
+                 device: torch.device):
+        self.row_list = rows
+        self.index = {r: j for j, r in enumerate(rows)}  # batch row -> its row here
+        self.lengths = np.fromiter((len(a) for a, _ in seen), dtype=np.int64, count=len(seen))
+        self.offsets = np.zeros(len(seen), dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
+        self.flat_ids = np.concatenate([a for a, _ in seen])  # int64
+        self.flat_counts = np.concatenate([c for _, c in seen])  # fp32: occurrences among the outputs
+        self.repetition_list = [p.repetition_penalty for p in params]
+        self.frequency_list = [p.frequency_penalty for p in params]
+        self.presence_list = [p.presence_penalty for p in params]
+        self.device = device
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(self.device)
+
+    @functools.cached_property
+    def _rectangle(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [p, L] int64, distinct [p, L] bool, output counts [p, L] fp32)."""
+        width = int(self.lengths.max())
+        distinct = np.arange(width)[None, :] < self.lengths[:, None]
+        # Padding: the row's first id and count (its offset), real entries from the flat run.
+        where = np.where(distinct, self.offsets[:, None] + np.arange(width)[None, :], self.offsets[:, None])
+        return (torch.from_numpy(self.flat_ids[where]).to(self.device), torch.from_numpy(distinct).to(self.device),
+                torch.from_numpy(self.flat_counts[where]).to(self.device))
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:  # [p] row indices into the batch
+        return torch.tensor(self.row_list).to(self.device)
+
+    @property
+    def ids(self) -> torch.Tensor:  # [p, L] seen ids
+        return self._rectangle[0]
+
+    @property
+    def distinct(self) -> torch.Tensor:  # [p, L] bool: not padding
+        return self._rectangle[1]
+
+    @property
+    def output_counts(self) -> torch.Tensor:  # [p, L] fp32: how often the id occurs among the row's outputs
+        return self._rectangle[2]
+
+    # As in transformers/CTRL: over prompt and output tokens. [p, 1]; None when no row has one.
+    @functools.cached_property
+    def repetition(self) -> torch.Tensor | None:
+        return self._column(self.repetition_list) if any(r != 1.0 for r in self.repetition_list) else None
+
+    # As in the OpenAI API: over generated tokens only. [p, 1]; None (both) when no row has either.
+    @functools.cached_property
+    def frequency(self) -> torch.Tensor | None:
+        return self._column(self.frequency_list) if self._any_count else None
+
+    @functools.cached_property
+    def presence(self) -> torch.Tensor | None:
+        return self._column(self.presence_list) if self._any_count else None
+
+    @property
+    def _any_count(self) -> bool:
+        return any(f or p for f, p in zip(self.frequency_list, self.presence_list))
 
 
 @dataclass
@@ -213,45 +267,22 @@ class Sampler:
         table["position"] = [seqs[i].num_output_tokens for i in rows]
         table["repetition"] = 1.0
         if (pen := batch.penalties) is not None:
-            width = pen.ids.shape[1]
-            for j, (row, p) in enumerate(zip(rows, ps)):
-                if (prow := pen.index.get(row)) is not None:
-                    table[j]["seen_offset"] = prow * width
-                    table[j]["seen_len"] = pen.lengths[prow]
-                    table[j]["repetition"] = p.repetition_penalty
-                    table[j]["frequency"] = p.frequency_penalty
-                    table[j]["presence"] = p.presence_penalty
-            batch.seen_ids, batch.seen_counts = pen.ids.numpy().reshape(-1), pen.output_counts.numpy().reshape(-1)
+            prows = np.fromiter((pen.index.get(r, -1) for r in rows), dtype=np.int64, count=len(rows))
+            has = prows >= 0
+            if has.any():
+                at = prows[has]
+                table["seen_offset"][has] = pen.offsets[at]
+                table["seen_len"][has] = pen.lengths[at]
+                table["repetition"][has] = np.asarray(pen.repetition_list, dtype=np.float32)[at]
+                table["frequency"][has] = np.asarray(pen.frequency_list, dtype=np.float32)[at]
+                table["presence"][has] = np.asarray(pen.presence_list, dtype=np.float32)[at]
+            batch.seen_ids, batch.seen_counts = pen.flat_ids, pen.flat_counts
         batch.fused_table = table
         batch.unseeded = np.array([p.seed is None for p in ps])
 
     def _prepare_penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
-        dev = self.device
-        ps = [seqs[i].params for i in rows]
-        seen = [seqs[i].seen_arrays() for i in rows]  # (distinct ids, output counts), kept per sequence
-        lengths = np.array([len(a) for a, _ in seen])
-        width = int(lengths.max())
-        ids = np.empty((len(rows), width), dtype=np.int64)
-        counts = np.empty((len(rows), width), dtype=np.float32)
-        for j, (a, c) in enumerate(seen):
-            ids[j, :len(a)], ids[j, len(a):] = a, a[0]
-            counts[j, :len(a)], counts[j, len(a):] = c, c[0]
-        distinct = np.arange(width)[None, :] < lengths[:, None]
-
-        def column(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(dev)
-
-        any_repetition = any(p.repetition_penalty != 1.0 for p in ps)
-        any_count = any(p.frequency_penalty or p.presence_penalty for p in ps)
-        return Penalties(
-            rows=torch.tensor(rows).to(dev), index={r: j for j, r in enumerate(rows)}, ids=torch.from_numpy(ids).to(dev),
-            distinct=torch.from_numpy(distinct).to(dev), lengths=lengths,
-            output_counts=torch.from_numpy(counts).to(dev),
-            # As in transformers/CTRL: over prompt and output tokens.
-            repetition=column([p.repetition_penalty for p in ps]) if any_repetition else None,
-            # As in the OpenAI API: over generated tokens only.
-            frequency=column([p.frequency_penalty for p in ps]) if any_count else None,
-            presence=column([p.presence_penalty for p in ps]) if any_count else None)
+        # (distinct ids, output counts), kept per sequence and brought up to date incrementally
+        return Penalties(rows, [seqs[i].seen_arrays() for i in rows], [seqs[i].params for i in rows], self.device)
 
     # ---- sample: on the logits' device -------------------------------------------------------
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
