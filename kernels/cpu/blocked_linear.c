@@ -4,8 +4,8 @@
  * lookup) and reads its layout at 15-25 GB/s for one row; a decode step at batch 1 is a few dozen
  * of those calls, each bound by the bytes of weight it reads. This layout makes each thread's
  * share of W one sequential stream, and one instruction (vdpbf16ps) multiplies 16 output channels
- * by a pair of inputs: one row reads W at 35-42 GB/s, and from 32 rows up the same loop runs at
- * oneDNN's rate or above (bench/blocked_linear.py).
+ * by a pair of inputs: one row reads W 1.2-1.9x faster than oneDNN does, and from 16 rows to
+ * prefill chunks the same loop runs within a few percent of oneDNN (bench/blocked_linear.py).
  *
  * Layout (kernels/cpu/blocked_linear.py writes it): W's N rows padded to a multiple of 16, as
  * [N/16][K/2][16] 32-bit words; word (b, p, l) holds the bf16 pair W[16b + l, 2p], W[16b + l, 2p+1]

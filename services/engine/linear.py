@@ -3,9 +3,10 @@
 On CPU the weight is laid out once, at load, for the kernel that runs it, and the plain weight
 is not kept:
 - bf16 on a CPU with AVX512-BF16: kernels/cpu/blocked_linear.c's layout, 16 output channels by
-  pairs of inputs. One sequential stream per thread, no per-call dispatch: decode batches of
-  1-8 rows run 1.1-1.9x faster than oneDNN's packed matmul, 32-64 rows the same or a little
-  faster (bench/blocked_linear.py), and rows need no padding to shape buckets.
+  pairs of inputs. One sequential stream per thread, no per-call dispatch: one row runs
+  1.2-1.9x faster than oneDNN's packed matmul and 4 rows 1.1-1.4x; from 16 rows to prefill
+  chunks both are within a few percent (bench/blocked_linear.py). Rows need no padding to
+  shape buckets.
 - otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
   vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
