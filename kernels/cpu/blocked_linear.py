@@ -46,7 +46,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeigh
     n, k = weight.shape
     rows = -(-n // LANES) * LANES
     padded = weight if rows == n else torch.cat([weight, weight.new_zeros(rows - n, k)])
-    words = padded.contiguous().view(rows // LANES, LANES, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    words = cpu_kernels.huge_page_empty((rows // LANES, k // 2, LANES, 2), torch.bfloat16)
+    words.copy_(padded.contiguous().view(rows // LANES, LANES, k // 2, 2).permute(0, 2, 1, 3))
     blocked_bias = None
     if bias is not None:
         blocked_bias = torch.zeros(rows, dtype=torch.float32)

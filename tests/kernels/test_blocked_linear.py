@@ -5,6 +5,7 @@ and the layer that holds a weight in its layout."""
 import pytest
 import torch
 
+from kernels import cpu as cpu_kernels
 from kernels.cpu import blocked_linear
 from services.engine.linear import Linear, cpu_layout
 
@@ -26,9 +27,10 @@ def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor) -> None:
 
 # (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
 # group of 4 (N = 64 + 16, + 33, + 48), rows 1-9 (every tile height and a remainder), 300 rows (two
-# chunks of 256, the second not a multiple of 4), K of 2 (one pair).
+# chunks of 256, the second not a multiple of 4), K of 2 (one pair), a weight past 2 MB (in
+# huge pages, with a tail in small ones).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
-          (1152, 896, 1), (300, 64, 300)]
+          (1152, 896, 1), (300, 64, 300), (1290, 1024, 3)]
 
 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
@@ -84,3 +86,20 @@ def test_the_layer_holds_bf16_weights_blocked_and_others_as_before():
     assert Linear(w, prepack=False).layout == "plain"
     fp32 = Linear(w.float())
     assert fp32.layout in ("onednn", "plain") and fp32.wants_row_buckets == (fp32.layout == "onednn")
+
+
+def test_weights_and_the_kv_cache_past_2_mb_start_on_a_huge_page_boundary():
+    from services.engine.quantization import kv_cache
+
+    big = cpu_kernels.huge_page_empty((3, 1 << 20), torch.bfloat16)  # 6 MB
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    big.fill_(1.5)  # writable, every page of it
+    assert big.sum().item() == 1.5 * 3 * (1 << 20)
+    packed = blocked_linear.pack(torch.randn(1290, 1024).bfloat16())
+    (k, v), = kv_cache.allocate("auto", 1, (256, 16, 4, 64), torch.bfloat16, torch.device("cpu"))  # 8 MB each
+    assert not k.any() and not v.any()
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        for t in (big, packed.words, k, v):
+            assert t.data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    small = cpu_kernels.huge_page_empty((4, 8), torch.float32)
+    assert small.shape == (4, 8) and small.dtype == torch.float32

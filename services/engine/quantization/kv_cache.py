@@ -49,19 +49,25 @@ def bytes_per_token(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: i
     return 2 * num_layers * num_kv_heads * per_head
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cache tensor; on CPU in huge pages: a decode step reads blocks scattered over the whole
+    cache, a TLB miss each with 4 KB pages."""
+    if device.type == "cpu":
+        return cpu_kernels.huge_page_empty(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def allocate(kv_cache_dtype: str, num_layers: int, shape: tuple[int, int, int, int], model_dtype: torch.dtype,
              device: torch.device) -> list[tuple]:
     """Every layer's (k_cache, v_cache)."""
     if kv_cache_dtype == "auto":
-        return [(torch.zeros(shape, dtype=model_dtype, device=device), torch.zeros(shape, dtype=model_dtype,
-                                                                                      device=device))
-                for _ in range(num_layers)]
+        return [(_zeros(shape, model_dtype, device), _zeros(shape, model_dtype, device)) for _ in range(num_layers)]
     if kv_cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no cache here")
 
     def one() -> QuantizedKVCache:
-        return QuantizedKVCache(torch.zeros(shape, dtype=CACHE_DTYPES[kv_cache_dtype], device=device),
-                                torch.zeros(shape[:3], dtype=torch.float32, device=device))
+        return QuantizedKVCache(_zeros(shape, CACHE_DTYPES[kv_cache_dtype], device),
+                                _zeros(shape[:3], torch.float32, device))
 
     return [(one(), one()) for _ in range(num_layers)]
 
