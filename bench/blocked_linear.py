@@ -8,12 +8,15 @@ alternate, the best of --rounds counts); enough copies of each weight that every
 from memory, as a decode step does (a model's weights are larger than the L3). GFLOP/s, and at
 one row the weight bytes read per second.
 
-Engine (--engine): the model loaded twice in one process, its linears in either layout; decode
-steps at the given batches and one prefill of --prefill-len tokens, alternating the two, the median
-of --repeats. Where this CPU has no AVX512-BF16 the blocked kernel does not run: the script says so.
+Engine (--engine): the model loaded three times in one process: its linears in oneDNN's layout
+(the KV cache in huge pages, as the engine runs), in the blocked layout with nothing in huge pages
+(weights and KV cache in 4 KB pages), and as the engine runs (both in huge pages); decode steps at
+the given batches and one prefill of --prefill-len tokens, alternating them, the median of
+--repeats. Where this CPU has no AVX512-BF16 the blocked kernel does not run: the script says so.
 
     python bench/blocked_linear.py                       # kernel, 2 threads: bench/results/blocked_linear.json/png
     python bench/blocked_linear.py --engine M,L          # and the engine, decode b1/b32 and a 2048-token prefill
+    python bench/blocked_linear.py --shapes "" --engine M,L --out bench/results/blocked_linear_engine.json
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench.common import write_results  # noqa: E402
+from kernels import cpu as cpu_kernels  # noqa: E402
 from kernels.cpu import blocked_linear  # noqa: E402
 from services.engine import linear as linear_module  # noqa: E402
 from services.engine.model import LAYER_LINEARS  # noqa: E402
@@ -80,15 +84,19 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
     if not model_dir.exists():
         return {"skipped": f"{model_dir} absent (python -m shared.realistic_models {key})"}
     engines = {}
-    real_available = blocked_linear.available
-    for name in ("onednn", "blocked"):
-        blocked_linear.available = real_available if name == "blocked" else (lambda: False)
+    real_available, real_huge = blocked_linear.available, cpu_kernels.huge_page_empty
+    small_pages = lambda shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
+    # The engine as it runs (KV cache in huge pages) with oneDNN's layout; the blocked kernel
+    # with nothing in huge pages; and as it runs.
+    for name, available, huge in (("onednn", lambda: False, real_huge), ("blocked_4k", real_available, small_pages),
+                                  ("blocked", real_available, real_huge)):
+        blocked_linear.available, cpu_kernels.huge_page_empty = available, huge
         try:
             engines[name] = LLM(str(model_dir), dtype="bfloat16", num_threads=threads, max_num_seqs=max(batches),
                                 max_num_batched_tokens=max(2048, prefill_len), max_model_len=prefill_len + 64,
                                 enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
         finally:
-            blocked_linear.available = real_available
+            blocked_linear.available, cpu_kernels.huge_page_empty = real_available, real_huge
         model = engines[name].engine.runner.model
         layouts = {model.lm_head.layout} | {getattr(model.layers[0], n).layout for n in LAYER_LINEARS}
         print(f"  {key} {name}: linears held {'/'.join(sorted(layouts))}", flush=True)
@@ -113,9 +121,11 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
         median = {name: statistics.median(v) for name, v in seconds.items()}
         tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
         result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
-                         "blocked_vs_onednn": median["onednn"] / median["blocked"]}
-        print(f"  {key} {label:14s} onednn {tokens / median['onednn']:8.1f} tok/s  blocked "
-              f"{tokens / median['blocked']:8.1f} tok/s  x{median['onednn'] / median['blocked']:.2f}", flush=True)
+                         "blocked_vs_onednn": median["onednn"] / median["blocked"],
+                         "huge_pages_vs_4k": median["blocked_4k"] / median["blocked"]}
+        print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
+              + f" tok/s  blocked/onednn x{median['onednn'] / median['blocked']:.2f}  huge pages/4 KB "
+              f"x{median['blocked_4k'] / median['blocked']:.2f}", flush=True)
     return result
 
 
@@ -166,7 +176,7 @@ def main() -> None:
               "bf16 weights stay in oneDNN's layout")
         return
     points = []
-    for key in args.shapes.split(","):
+    for key in filter(None, args.shapes.split(",")):  # --shapes "": the engine A/B alone
         for n, k in SHAPES[key]:
             for rows in map(int, args.rows.split(",")):
                 p = kernel_point(n, k, rows, args.rounds, args.weight_mib * 2**20)
@@ -178,7 +188,8 @@ def main() -> None:
                              args.threads)
               for key in filter(None, args.engine.split(","))}
     write_results(args.out, args, {"kernel": points, "engine": engine})
-    plot(points, Path(args.png))
+    if points:
+        plot(points, Path(args.png))
 
 
 if __name__ == "__main__":

@@ -110,11 +110,11 @@ HUGE_PAGE = 2 << 20
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor starting on a 2 MB boundary, its whole 2 MB spans backed by
     huge pages where the kernel grants them (madvise MADV_HUGEPAGE: Linux's default THP mode,
-    "madvise", needs the ask). A decode step streams every weight once; with 4 KB pages that is
-    a TLB miss every 4 KB, and the hardware prefetchers stop at each page's end: +10-13% at
-    decode batch 1 with the weights in them (bench/blocked_linear.py --engine). The tail past the last whole span keeps
-    4 KB pages, so at most 4 KB is wasted. Falls back to torch.empty below 2 MB or without
-    the advice."""
+    "madvise", needs the ask). A decode step streams every weight once and reads KV blocks
+    scattered over the cache; with 4 KB pages that is a TLB miss every 4 KB, and the hardware
+    prefetchers stop at each page's end (bench/blocked_linear.py --engine: weights and cache in
+    huge pages against none). The tail past the last whole span keeps 4 KB pages, so at most
+    4 KB is wasted. Falls back to torch.empty below 2 MB or without the advice."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
