@@ -118,11 +118,16 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    # Private: shared anonymous memory is shmem, whose huge pages are a separate, usually off, setting.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # private: shared anonymous memory is shmem, whose huge pages are a separate, usually off, setting
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` for the tensor's lifetime
     start = -raw.data_ptr() % HUGE_PAGE  # the pages before it are never touched, so never backed
-    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KB pages, still aligned
+        pass
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
