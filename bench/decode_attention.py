@@ -40,7 +40,9 @@ HEAD_DIM, BLOCK = 64, 16
 DEFAULT_CASES = ["1x145", "4x145", "32x145", "64x145", "32x600", "1x1000"]
 
 # Reads every K and V block of every sequence once (the data a decode call must move), summing
-# 64-bit lanes so nothing is optimised away: what memory alone costs for this access pattern.
+# 64-bit lanes so nothing is optimised away, and fetching the block two ahead into L2 as it goes
+# (as the kernel does: scattered blocks defeat the hardware prefetchers): what memory alone
+# costs for this access pattern.
 STREAM_C = r"""
 #include <stdint.h>
 long strata_stream_blocks(const uint16_t *k, const uint16_t *v, const int32_t *tables, int batch, int blocks,
@@ -52,8 +54,12 @@ long strata_stream_blocks(const uint16_t *k, const uint16_t *v, const int32_t *t
             const uint16_t *c = pass ? v : k;
             for (int i = 0; i < blocks; i++) {
                 const uint64_t *p = (const uint64_t *)(c + (long)tables[b * blocks + i] * block_elems);
+                const char *ahead = i + 2 < blocks ? (const char *)(c + (long)tables[b * blocks + i + 2] * block_elems) : 0;
                 uint64_t s = 0;
-                for (long j = 0; j < block_elems / 4; j++) s += p[j];
+                for (long line = 0; line < block_elems / 32; line++) {  /* 64 bytes a line */
+                    if (ahead) __builtin_prefetch(ahead + line * 64, 0, 2);
+                    for (int j = 0; j < 8; j++) s += p[line * 8 + j];
+                }
                 total += (long)s;
             }
         }
