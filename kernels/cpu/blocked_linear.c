@@ -16,9 +16,17 @@
  * work item is one group of 4 blocks over one chunk of rows; items are numbered group-major, so
  * a thread's contiguous share walks all the rows of a group while the group's slab of W (at most
  * 64 x K x 2 bytes) stays in its L2.
+ *
+ * SwiGLU (mode GATED_SWIGLU): a fused gate/up weight [gate; up] (N = 2h, h a multiple of 16) may
+ * be packed with its blocks interleaved, gate block i then up block i; a tile then holds both
+ * halves of 16 channels and writes silu(gate) * up ([M][h]), with the roundings of the
+ * element-wise kernel (silu_mul16): one pass over the activations instead of a [M][2h] product
+ * written, read back and written again. Mode GATED stores such a weight's product as [gate | up].
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "strata_math.h"
 
 int strata_blocked_linear_available(void)
 {
@@ -37,11 +45,19 @@ int strata_blocked_linear_available(void)
 #define NT 4          /* blocks of 16 channels per tile */
 #define ROW_CHUNK 256 /* rows per work item: x's share of a chunk stays in L2/L3 */
 
-/* rows (<= MT) x blocks (<= NT) of y; `valid` channels of the last block are stored. */
+enum { PLAIN = 0, GATED = 1, GATED_SWIGLU = 2 };  /* kernels/cpu/blocked_linear.py's modes */
+
+/* y's column of block `block`: in order, or for an interleaved gate/up weight its half's. */
+static inline long block_column(long block, long half, int mode) {
+    return mode == PLAIN ? block * LANES : (block & 1) * half + (block >> 1) * LANES;
+}
+
+/* rows (<= MT) x blocks (<= NT) of y, from block b0 on (y: the tile's first row); `valid`
+ * channels of the last block are stored. */
 static inline __attribute__((always_inline)) void tile(const int rows, const int blocks, const uint16_t *x,
                                                        long x_stride, long pairs, const uint32_t *w,
                                                        long block_words, const float *bias, int valid,
-                                                       uint16_t *y, long y_stride)
+                                                       uint16_t *y, long y_stride, long b0, long half, int mode)
 {
     __m512 acc[MT][NT];
     for (int b = 0; b < blocks; b++) {
@@ -58,10 +74,17 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
             for (int b = 0; b < blocks; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
         }
     }
+    if (mode == GATED_SWIGLU) {  /* blocks come in (gate, up) pairs: b0 and blocks are even */
+        for (int m = 0; m < rows; m++)
+            for (int b = 0; b + 1 < blocks; b += 2)
+                bf16x16_store(y + m * y_stride + ((b0 + b) >> 1) * LANES,
+                              silu_mul16(bf16x16_round(acc[m][b]), bf16x16_round(acc[m][b + 1])));
+        return;
+    }
     for (int m = 0; m < rows; m++)
         for (int b = 0; b < blocks; b++) {
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][b]);
-            uint16_t *dst = y + m * y_stride + b * LANES;
+            const __m256i out = bf16x16_narrow(acc[m][b]);
+            uint16_t *dst = y + m * y_stride + block_column(b0 + b, half, mode);
             if (b < blocks - 1 || valid == LANES) _mm256_storeu_si256((__m256i *)dst, out);
             else _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), out);
         }
@@ -69,9 +92,10 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
 
 /* Every tile shape, so that each loop above has constant bounds (registers, no spills). */
 #define TILE_CASE(R, B) \
-    case (R) * 8 + (B): tile(R, B, x, x_stride, pairs, w, block_words, bias, valid, y, y_stride); return;
+    case (R) * 8 + (B): tile(R, B, x, x_stride, pairs, w, block_words, bias, valid, y, y_stride, b0, half, mode); return;
 static void tile_dispatch(int rows, int blocks, const uint16_t *x, long x_stride, long pairs, const uint32_t *w,
-                          long block_words, const float *bias, int valid, uint16_t *y, long y_stride)
+                          long block_words, const float *bias, int valid, uint16_t *y, long y_stride, long b0,
+                          long half, int mode)
 {
     switch (rows * 8 + blocks) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
@@ -82,14 +106,17 @@ static void tile_dispatch(int rows, int blocks, const uint16_t *x, long x_stride
 }
 #endif
 
-/* x: [M][K] bf16, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight;
- * bias: fp32 [N padded to 16] or NULL; y: [M][N] bf16, rows y_stride apart.
- * Returns 0, or -1 where this CPU has no AVX512-BF16 (the caller checked _available first). */
+/* x: [M][K] bf16, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight (for
+ * modes GATED and GATED_SWIGLU, gate/up interleaved: N = 2h, h a multiple of 16); bias: fp32 [N
+ * padded to 16], in the layout's order, or NULL; y: [M][N] bf16 ([M][N / 2] for GATED_SWIGLU),
+ * rows y_stride apart. Returns 0; -1 where this CPU has no AVX512-BF16 (the caller checked
+ * _available first); -2 for a mode the weight's shape does not allow. */
 int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride, const uint32_t *w, long N,
-                               const float *bias, uint16_t *y, long y_stride, int num_threads)
+                               const float *bias, uint16_t *y, long y_stride, int num_threads, int mode)
 {
 #if defined(__AVX512BF16__)
-    const long pairs = K / 2, block_words = pairs * LANES;
+    if (mode != PLAIN && (N % (2 * LANES) || (mode != GATED && mode != GATED_SWIGLU))) return -2;
+    const long pairs = K / 2, block_words = pairs * LANES, half = N / 2;
     const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
     const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if(items > 1)
@@ -102,13 +129,13 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
         for (long r = chunk * ROW_CHUNK; r < r_end; r += MT) {
             const int rows = r_end - r < MT ? (int)(r_end - r) : MT;
             tile_dispatch(rows, (int)blocks, x + r * x_stride, x_stride, pairs, w + b0 * block_words, block_words,
-                          bias ? bias + n0 : NULL, valid, y + r * y_stride + n0, y_stride);
+                          bias ? bias + n0 : NULL, valid, y + r * y_stride, y_stride, b0, half, mode);
         }
     }
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)x_stride; (void)w; (void)N; (void)bias; (void)y; (void)y_stride;
-    (void)num_threads;
+    (void)num_threads; (void)mode;
     return -1;
 #endif
 }

@@ -2,7 +2,9 @@
 kernels/cpu/blocked_linear.c (see its header for the layout, the tiles and why).
 
 `pack` lays a weight out once, at load; `linear` runs y = x W^T (+ bias) on it. `available`
-says whether this CPU and build run it (else callers keep oneDNN's packed matmul).
+says whether this CPU and build run it (else callers keep oneDNN's packed matmul). A fused
+gate/up weight packed with `swiglu=True` also runs `swiglu`: silu(x G^T) * (x U^T) in the same
+pass, the activation applied to the product's tiles while they are in registers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from kernels import cpu as cpu_kernels
 
 LANES = 16  # output channels per 64-byte load
+PLAIN, GATED, GATED_SWIGLU = 0, 1, 2  # the kernel's modes (blocked_linear.c)
 
 
 def available() -> bool:
@@ -21,10 +24,12 @@ def available() -> bool:
     return lib is not None and bool(lib.strata_blocked_linear_available())
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """A bf16 CPU weight [N, K] with K even (the kernel reads inputs in pairs)."""
+def packable(weight: torch.Tensor, swiglu: bool = False) -> bool:
+    """A bf16 CPU weight [N, K] with K even (the kernel reads inputs in pairs); for swiglu, the
+    gate and up halves whole blocks of 16 channels (N a multiple of 32)."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
+            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0
+            and (not swiglu or weight.shape[0] % (2 * LANES) == 0))
 
 
 @dataclass
@@ -33,17 +38,23 @@ class BlockedWeight:
     bias: torch.Tensor | None  # fp32 [N padded]: the kernel's sums start there
     out_features: int
     in_features: int
+    swiglu: bool = False  # a [gate; up] weight, its blocks interleaved (gate block i, up block i)
 
     @property
     def nbytes(self) -> int:
         return self.words.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeight:
-    if not packable(weight):
-        raise ValueError(f"a blocked weight is a bf16 CPU [N, K] with K even, got {weight.dtype} "
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> BlockedWeight:
+    """swiglu: `weight` is [gate; up] (SwiGLU's fused projection), laid out for `swiglu` too."""
+    if not packable(weight, swiglu):
+        need = "with K even" + (" and N a multiple of 32 (swiglu)" if swiglu else "")
+        raise ValueError(f"a blocked weight is a bf16 CPU [N, K] {need}, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
+    if swiglu:  # gate block i, then up block i: a tile holds both halves of the same channels
+        weight = _interleave_halves(weight)
+        bias = None if bias is None else _interleave_halves(bias)
     rows = -(-n // LANES) * LANES
     padded = weight if rows == n else torch.cat([weight, weight.new_zeros(rows - n, k)])
     words = cpu_kernels.huge_page_empty((rows // LANES, k // 2, LANES, 2), torch.bfloat16)
@@ -52,11 +63,29 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeigh
     if bias is not None:
         blocked_bias = torch.zeros(rows, dtype=torch.float32)
         blocked_bias[:n] = bias.float()
-    return BlockedWeight(words.view(torch.int32).view(rows // LANES, k // 2, LANES), blocked_bias, n, k)
+    return BlockedWeight(words.view(torch.int32).view(rows // LANES, k // 2, LANES), blocked_bias, n, k, swiglu)
+
+
+def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
+    """Rows [gate; up] -> gate block 0, up block 0, gate block 1, ... (blocks of LANES rows)."""
+    blocks = t.shape[0] // (2 * LANES)
+    return t.reshape(2, blocks, LANES, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def linear(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
-    """x [..., K] bf16 (CPU) -> [..., N] bf16."""
+    """x [..., K] bf16 (CPU) -> [..., N] bf16 (for a swiglu weight, [gate | up] as it came)."""
+    return _run(x, weight, GATED if weight.swiglu else PLAIN, weight.out_features)
+
+
+def swiglu(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
+    """x [..., K] bf16 (CPU) -> silu(x G^T) * (x U^T), [..., N / 2] bf16, for a weight packed with
+    swiglu=True; the same bits as the element-wise kernel on `linear`'s output."""
+    if not weight.swiglu:
+        raise ValueError("swiglu needs a [gate; up] weight packed with swiglu=True")
+    return _run(x, weight, GATED_SWIGLU, weight.out_features // 2)
+
+
+def _run(x: torch.Tensor, weight: BlockedWeight, mode: int, width: int) -> torch.Tensor:
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError(f"a blocked linear takes bf16 CPU activations, got {x.dtype} on {x.device}")
     if x.shape[-1] != weight.in_features:
@@ -65,12 +94,12 @@ def linear(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
     x2 = x.reshape(-1, weight.in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], weight.out_features), dtype=torch.bfloat16)
+    out = torch.empty((x2.shape[0], width), dtype=torch.bfloat16)
     if x2.shape[0]:
         rc = cpu_kernels.load().strata_blocked_linear_bf16(
             x2.data_ptr(), x2.shape[0], weight.in_features, x2.stride(0), weight.words.data_ptr(),
             weight.out_features, None if weight.bias is None else weight.bias.data_ptr(), out.data_ptr(),
-            weight.out_features, torch.get_num_threads())
+            width, torch.get_num_threads(), mode)
         if rc != 0:
             raise RuntimeError(f"blocked linear (CPU) failed with code {rc}")
-    return out.view(*lead, weight.out_features)
+    return out.view(*lead, width)

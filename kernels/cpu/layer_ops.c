@@ -28,37 +28,6 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-static inline __m512 bf16x16_widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 bf16x16_load(const uint16_t *p) { return bf16x16_widen(_mm256_loadu_si256((const __m256i *)p)); }
-
-/* Round to nearest even, NaN kept quiet: f32_to_bf16 sixteen at a time. With AVX512-BF16 one
- * instruction does it (it also flushes fp32 subnormals, below 1.2e-38, to zero). */
-static inline __m256i bf16x16_narrow(__m512 f) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(f);
-#endif
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-static inline void bf16x16_store(uint16_t *p, __m512 f) { _mm256_storeu_si256((__m256i *)p, bf16x16_narrow(f)); }
-static inline __m512 bf16x16_round(__m512 f) { return bf16x16_widen(bf16x16_narrow(f)); }
-
-/* strata_expf sixteen at a time (the same clamp and polynomial; 2^n by scalef). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.33654f);
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.72283f));
-    const __m512 t = _mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    /* below the clamp: 0; NaN stays NaN */
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), _mm512_scalef_ps(exp2_poly16(f), n));
-}
-
 static int rms_norm_row_bf16(const uint16_t *x, uint16_t *res, const uint16_t *w, uint16_t *out, int hidden, float eps) {
     if (hidden % 16) return 0;
     __m512 acc = _mm512_setzero_ps();
@@ -97,14 +66,8 @@ static int rotary_head_bf16(uint16_t *x, const float *cs, int head_dim) {
 
 static int silu_and_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int d) {
     if (d % 16) return 0;
-    const __m512 one = _mm512_set1_ps(1.f);
     for (int i = 0; i < d; i += 16) {
-        const __m512 a = bf16x16_load(g + i);
-        const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
-        __m512 inv = _mm512_rcp14_ps(den);  /* 14 bits; one Newton step: about 1 ulp, no divide */
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-        const __m512 silu = bf16x16_round(_mm512_mul_ps(a, inv));
-        bf16x16_store(o + i, _mm512_mul_ps(silu, bf16x16_load(u + i)));
+        bf16x16_store(o + i, silu_mul16(bf16x16_load(g + i), bf16x16_load(u + i)));
     }
     return 1;
 }

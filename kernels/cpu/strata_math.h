@@ -60,6 +60,48 @@ static inline __m512 exp2_poly16(__m512 f) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return p;
 }
+
+static inline __m512 bf16x16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 bf16x16_load(const uint16_t *p) { return bf16x16_widen(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* Round to nearest even, NaN kept quiet: f32_to_bf16 sixteen at a time. With AVX512-BF16 one
+ * instruction does it (it also flushes fp32 subnormals, below 1.2e-38, to zero). */
+static inline __m256i bf16x16_narrow(__m512 f) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#endif
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline void bf16x16_store(uint16_t *p, __m512 f) { _mm256_storeu_si256((__m256i *)p, bf16x16_narrow(f)); }
+static inline __m512 bf16x16_round(__m512 f) { return bf16x16_widen(bf16x16_narrow(f)); }
+
+/* strata_expf sixteen at a time (the same clamp and polynomial; 2^n by scalef). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.72283f));
+    const __m512 t = _mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    /* below the clamp: 0; NaN stays NaN */
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), _mm512_scalef_ps(exp2_poly16(f), n));
+}
+
+/* silu(g) * u over bf16 values (widened), as torch's bf16 F.silu(gate) * up: silu rounded to
+ * bf16 before the product; the caller rounds the product. One definition for the element-wise
+ * kernel (layer_ops.c) and the one fused into the gate/up product (blocked_linear.c), so the
+ * two give the same bits. */
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    __m512 inv = _mm512_rcp14_ps(den);  /* 14 bits; one Newton step: about 1 ulp, no divide */
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+    return _mm512_mul_ps(bf16x16_round(_mm512_mul_ps(g, inv)), u);
+}
 #endif
 
 #endif

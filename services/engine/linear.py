@@ -60,14 +60,18 @@ def cpu_layout(weight: torch.Tensor) -> str:
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool | None = None):
-        """prepack: lay the weight out for the CPU's kernel (default: on CPU); False keeps it plain."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool | None = None,
+                 swiglu: bool = False):
+        """prepack: lay the weight out for the CPU's kernel (default: on CPU); False keeps it plain.
+        swiglu: the weight is SwiGLU's [gate; up]; where the layout allows, `swiglu` fuses the
+        activation into the product (`fuses_swiglu`), and calls still return [gate | up]."""
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         if prepack is None:
             prepack = weight.device.type == "cpu"
         self.layout = cpu_layout(weight) if prepack else "plain"
-        self.blocked = blocked_linear.pack(weight, bias) if self.layout == "blocked" else None
+        self.fuses_swiglu = swiglu and self.layout == "blocked" and blocked_linear.packable(weight, swiglu=True)
+        self.blocked = blocked_linear.pack(weight, bias, self.fuses_swiglu) if self.layout == "blocked" else None
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
                        if self.layout == "onednn" else None)
         self.weight = weight if self.layout == "plain" else None
@@ -85,6 +89,13 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection in one pass (where `fuses_swiglu`): the
+        bits of backends' silu_and_mul on the product, without writing the product."""
+        if not self.fuses_swiglu:
+            raise ValueError("this Linear does not fuse SwiGLU (not a [gate; up] weight in the blocked layout)")
+        return blocked_linear.swiglu(x, self.blocked)
 
     @property
     def nbytes(self) -> int:

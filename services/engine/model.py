@@ -23,12 +23,13 @@ LAYER_NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 
 def dense_linear(ckpt: Checkpoint, modules: list[str], dtype: torch.dtype, device: torch.device,
-                 bias: bool = False) -> Linear:
+                 bias: bool = False, swiglu: bool = False) -> Linear:
     """The projection of checkpoint modules (fused along the output dimension) in the model's
-    dtype. A quantized model loads its projections through another function of this signature
+    dtype; swiglu: the modules are [gate, up], and the layout may fuse the activation (Linear).
+    A quantized model loads its projections through another function of this signature
     (services.engine.quantization.loader)."""
     return Linear(ckpt.fused([f"{m}.weight" for m in modules], dtype, device),
-                  ckpt.fused([f"{m}.bias" for m in modules], dtype, device) if bias else None)
+                  ckpt.fused([f"{m}.bias" for m in modules], dtype, device) if bias else None, swiglu=swiglu)
 
 
 class LlamaLayer:
@@ -38,12 +39,20 @@ class LlamaLayer:
         proj = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
         self.qkv = load_linear(ckpt, proj, dtype, device, bias=config.attention_bias)
         self.o = load_linear(ckpt, [f"{a}.o_proj"], dtype, device)
-        self.gate_up = load_linear(ckpt, [f"{m}.gate_proj", f"{m}.up_proj"], dtype, device)
+        self.gate_up = load_linear(ckpt, [f"{m}.gate_proj", f"{m}.up_proj"], dtype, device, swiglu=True)
         self.down = load_linear(ckpt, [f"{m}.down_proj"], dtype, device)
         self.input_norm = ckpt.get(f"{prefix}.input_layernorm.weight", dtype, device)
         self.post_norm = ckpt.get(f"{prefix}.post_attention_layernorm.weight", dtype, device)
         self.q_norm = ckpt.get(f"{a}.q_norm.weight", dtype, device) if config.qk_norm else None
         self.k_norm = ckpt.get(f"{a}.k_norm.weight", dtype, device) if config.qk_norm else None
+
+    def mlp(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """down(silu(gate) * up), the activation fused into the gate/up product where its kernel
+        can (a LoRA or quantized gate_up runs the product, then the element-wise op)."""
+        gate_up = self.gate_up
+        if isinstance(gate_up, Linear) and gate_up.fuses_swiglu:
+            return self.down(gate_up.swiglu(x))
+        return self.down(ops.silu_and_mul(gate_up(x)))
 
 
 class LlamaModel:
@@ -129,7 +138,7 @@ class LlamaModel:
                 self.attn.forward(q[:n], k[:n], v[:n], k_cache, v_cache, meta, out=attn_out[:n])
             h = layer.o(o.view(rows, self.q_size))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            h = layer.mlp(x, ops)
         h, _ = ops.rms_norm(h, self.norm, eps, residual)
         return h[:n]
 

@@ -1,6 +1,7 @@
 """The bf16 blocked linear kernel (kernels/cpu/blocked_linear.c) against an fp32 matmul: every
 tile shape (1-4 rows by 1-4 blocks, a partial last block), row chunks, strided inputs, the bias;
-and the layer that holds a weight in its layout."""
+SwiGLU fused into a gate/up product against the element-wise kernel; and the layer that holds a
+weight in its layout."""
 
 import pytest
 import torch
@@ -72,6 +73,46 @@ def test_what_the_kernel_does_not_take_is_refused():
         blocked_linear.linear(torch.randn(2, 8), packed)
     with pytest.raises(ValueError, match="8 inputs got 6"):
         blocked_linear.linear(torch.randn(2, 6).bfloat16(), packed)
+
+
+# (half width h, in features, rows): one pair of blocks, a group and a half (the last group one
+# pair), tile heights 1-4 with remainders, two row chunks.
+SWIGLU_SHAPES = [(16, 32, 1), (48, 64, 5), (96, 40, 7), (64, 128, 300)]
+
+
+@pytest.mark.parametrize("half,k,rows", SWIGLU_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swiglu_fused_into_the_product_gives_the_element_wise_bits(half, k, rows, with_bias):
+    g = torch.Generator().manual_seed(half * 100 + rows)
+    w = torch.randn(2 * half, k, generator=g).bfloat16()  # [gate; up]
+    bias = torch.randn(2 * half, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    plain, fused = blocked_linear.pack(w, bias), blocked_linear.pack(w, bias, swiglu=True)
+    product = blocked_linear.linear(x, plain)
+    # the interleaved layout still computes [gate | up] in order (what a LoRA wrapper reads)
+    assert torch.equal(blocked_linear.linear(x, fused), product)
+    out = blocked_linear.swiglu(x, fused)
+    assert out.shape == (rows, half)
+    assert torch.equal(out, cpu_kernels.silu_and_mul(product))
+    gate, up = product.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate.bfloat16()) * up.bfloat16(), rtol=0.016, atol=0.01)
+
+
+def test_swiglu_needs_whole_blocks_of_gate_and_up():
+    w = torch.randn(48, 32).bfloat16()  # halves of 24 channels
+    assert blocked_linear.packable(w) and not blocked_linear.packable(w, swiglu=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        blocked_linear.pack(w, swiglu=True)
+    with pytest.raises(ValueError, match="swiglu=True"):
+        blocked_linear.swiglu(torch.randn(2, 32).bfloat16(), blocked_linear.pack(w))
+    layer = Linear(w, swiglu=True)  # still blocked, the activation left to the element-wise op
+    assert layer.layout == "blocked" and not layer.fuses_swiglu
+    with pytest.raises(ValueError, match="does not fuse SwiGLU"):
+        layer.swiglu(torch.randn(2, 32).bfloat16())
+    fused = Linear(torch.randn(64, 32).bfloat16(), swiglu=True)
+    x = torch.randn(3, 32).bfloat16()
+    assert fused.fuses_swiglu and torch.equal(fused.swiglu(x), cpu_kernels.silu_and_mul(fused(x)))
+    assert not Linear(torch.randn(64, 32), swiglu=True).fuses_swiglu  # fp32: oneDNN's layout
 
 
 def test_the_layer_holds_bf16_weights_blocked_and_others_as_before():

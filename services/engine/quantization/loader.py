@@ -58,14 +58,17 @@ def linear_loader(plan: QuantizationPlan):
 
 
 class QuantizedLinearLoader:
-    """model.dense_linear's signature: (ckpt, modules, dtype, device, bias) -> a Linear-like."""
+    """model.dense_linear's signature: (ckpt, modules, dtype, device, bias, swiglu) -> a
+    Linear-like. `swiglu` lets a kernel fuse the activation and never changes results: quantized
+    kernels do not fuse it, and what this loader keeps dense loads unfused."""
 
     def __init__(self, plan: QuantizationPlan):
         self.plan = plan
         self._checked = False
         self._has_prefix: bool | None = None
 
-    def __call__(self, ckpt, modules: list[str], dtype: torch.dtype, device: torch.device, bias: bool = False):
+    def __call__(self, ckpt, modules: list[str], dtype: torch.dtype, device: torch.device, bias: bool = False,
+                 swiglu: bool = False):
         from services.engine.model import dense_linear
 
         if self.plan.source == "checkpoint":
