@@ -10,9 +10,10 @@ one row the weight bytes read per second.
 
 Engine (--engine): the model loaded three times in one process: its linears in oneDNN's layout
 (the KV cache in huge pages, as the engine runs), in the blocked layout with nothing in huge pages
-(weights and KV cache in 4 KB pages), and as the engine runs (both in huge pages); decode steps at
-the given batches and one prefill of --prefill-len tokens, alternating them, the median of
---repeats. Where this CPU has no AVX512-BF16 the blocked kernel does not run: the script says so.
+(weights and KV cache in 4 KB pages), and as the engine runs (both in huge pages, SwiGLU fused
+into the gate/up product); a fourth arm runs that last engine with SwiGLU as a separate
+element-wise pass. Decode steps at the given batches and one prefill of --prefill-len tokens,
+alternating the arms, the median of --repeats. Where this CPU has no AVX512-BF16 the blocked kernel does not run: the script says so.
 
     python bench/blocked_linear.py                       # kernel, 2 threads: bench/results/blocked_linear.json/png
     python bench/blocked_linear.py --engine M,L          # and the engine, decode b1/b32 and a 2048-token prefill
@@ -103,6 +104,14 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
     vocab = engines["blocked"].engine.runner.model.lm_head.out_features
     rng = random.Random(0)
     result = {}
+    # (arm, engine, whether its gate/up linears fuse SwiGLU)
+    arms = [("onednn", engines["onednn"], False), ("blocked_4k", engines["blocked_4k"], True),
+            ("blocked", engines["blocked"], True), ("blocked_swiglu_apart", engines["blocked"], False)]
+
+    def set_swiglu(llm, fused: bool) -> None:
+        for layer in llm.engine.runner.model.layers:
+            if layer.gate_up.layout == "blocked":
+                layer.gate_up.fuses_swiglu = fused
 
     def timed(llm, prompts, max_tokens):
         start = time.perf_counter()
@@ -113,19 +122,23 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
               for b in batches]
     points.append((f"prefill {prefill_len}", [[rng.randrange(100, vocab - 100) for _ in range(prefill_len)]], 1))
     for label, prompts, max_tokens in points:
-        seconds = {name: [] for name in engines}
+        seconds = {name: [] for name, _, _ in arms}
         for _ in range(repeats):
-            for name, llm in engines.items():
+            for name, llm, fused in arms:
+                set_swiglu(llm, fused)
                 full = timed(llm, prompts, max_tokens)
                 seconds[name].append(full - timed(llm, prompts, 1) if max_tokens > 1 else full)
+        set_swiglu(engines["blocked"], True)
         median = {name: statistics.median(v) for name, v in seconds.items()}
         tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
         result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
                          "blocked_vs_onednn": median["onednn"] / median["blocked"],
-                         "huge_pages_vs_4k": median["blocked_4k"] / median["blocked"]}
+                         "huge_pages_vs_4k": median["blocked_4k"] / median["blocked"],
+                         "swiglu_fused_vs_apart": median["blocked_swiglu_apart"] / median["blocked"]}
         print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
               + f" tok/s  blocked/onednn x{median['onednn'] / median['blocked']:.2f}  huge pages/4 KB "
-              f"x{median['blocked_4k'] / median['blocked']:.2f}", flush=True)
+              f"x{median['blocked_4k'] / median['blocked']:.2f}  SwiGLU fused/apart "
+              f"x{median['blocked_swiglu_apart'] / median['blocked']:.2f}", flush=True)
     return result
 
 
