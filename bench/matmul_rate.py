@@ -6,8 +6,9 @@ the lm_head, in the model's dtype:
   strata        services.engine.linear.Linear standalone (weights in its CPU layout: the blocked
                 bf16 kernel's where the CPU has AVX512-BF16, else oneDNN's packed one)
   engine        the linear layers inside a real decode step of Strata's engine at that batch
-                size (wall time inside Linear's calls, timed around each, FLOPs from the shapes;
-                a profiler's op list would miss the blocked bf16 kernel, a ctypes call)
+                size (wall time inside Linear's calls, timed around each, the fused gate/up
+                and SwiGLU call included; FLOPs from the shapes; a profiler's op list would
+                miss the blocked bf16 kernel, a ctypes call)
 Each at 1 and N threads. Prints GFLOP/s and the ratios to torch; writes bench/results/matmul_rate.json.
 
     python bench/matmul_rate.py [--models DIR,DIR] [--batches 1,32] [--threads 2] [--dtype bfloat16]
@@ -85,23 +86,27 @@ def in_engine(model_dir: Path, shapes, batch: int, dtype: str, steps: int) -> di
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(4):  # prefill and warm-up decodes
         engine.step()
-    linear_s, call = 0.0, Linear.__call__
+    linear_s, call, swiglu = 0.0, Linear.__call__, Linear.swiglu
 
-    def timed_call(self, x):
-        nonlocal linear_s
-        t = time.perf_counter()
-        out = call(self, x)
-        linear_s += time.perf_counter() - t
-        return out
+    def timed(method):
+        def run(self, x):
+            nonlocal linear_s
+            t = time.perf_counter()
+            out = method(self, x)
+            linear_s += time.perf_counter() - t
+            return out
+        return run
 
-    Linear.__call__ = timed_call
+    # The gate/up product runs through Linear.swiglu where SwiGLU is fused into it (its time then
+    # includes the activation, a small part of it).
+    Linear.__call__, Linear.swiglu = timed(call), timed(swiglu)
     try:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - start
     finally:
-        Linear.__call__ = call
+        Linear.__call__, Linear.swiglu = call, swiglu
     flops = steps * sum(count * 2.0 * batch * o * i for o, i, count in shapes)
     return {"engine_gflops": flops / linear_s / 1e9, "linear_share_of_step": linear_s / wall,
             "step_ms": wall / steps * 1e3}
