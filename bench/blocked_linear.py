@@ -13,7 +13,8 @@ Engine (--engine): the model loaded three times in one process: its linears in o
 (weights and KV cache in 4 KB pages), and as the engine runs (both in huge pages, SwiGLU fused
 into the gate/up product); a fourth arm runs that last engine with SwiGLU as a separate
 element-wise pass. Decode steps at the given batches and one prefill of --prefill-len tokens,
-alternating the arms, the median of --repeats. Where this CPU has no AVX512-BF16 the blocked kernel does not run: the script says so.
+alternating the arms, the median of --repeats. Where this CPU has no AVX512-BF16 the blocked
+kernel does not run: the script says so.
 
     python bench/blocked_linear.py                       # kernel, 2 threads: bench/results/blocked_linear.json/png
     python bench/blocked_linear.py --engine M,L          # and the engine, decode b1/b32 and a 2048-token prefill

@@ -54,7 +54,8 @@ long strata_stream_blocks(const uint16_t *k, const uint16_t *v, const int32_t *t
             const uint16_t *c = pass ? v : k;
             for (int i = 0; i < blocks; i++) {
                 const uint64_t *p = (const uint64_t *)(c + (long)tables[b * blocks + i] * block_elems);
-                const char *ahead = i + 2 < blocks ? (const char *)(c + (long)tables[b * blocks + i + 2] * block_elems) : 0;
+                const char *ahead =
+                    i + 2 < blocks ? (const char *)(c + (long)tables[b * blocks + i + 2] * block_elems) : 0;
                 uint64_t s = 0;
                 for (long line = 0; line < block_elems / 32; line++) {  /* 64 bytes a line */
                     if (ahead) __builtin_prefetch(ahead + line * 64, 0, 2);
