@@ -20,6 +20,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -365,35 +366,55 @@ async def stream_all(stack: Stack, on_chunk=None) -> list[dict]:
         await client.close()
 
 
+def running_requests(url: str) -> float:
+    """The engine's `strata:num_requests_running` gauge, read from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(("strata:num_requests_running{", "strata:num_requests_running ")))
+
+
 def test_an_engine_container_killed_under_load_costs_no_stream(stack):
     """SIGKILL (`docker kill`) to one engine's container while it streams: every stream continues
     on the other engine from the tokens already delivered, with the output of a fault-free run."""
     reference = asyncio.run(stream_all(stack))
     assert all(r["error"] is None and r["finish"] == "length" for r in reference), reference
-    victim = stack.containers["engine-cpu"]
+    engines = [name for name in stack.ports if name.startswith("engine")]
     migrated_before = asyncio.run(metric(stack.gateway, "strata:gateway_migrations_total", outcome="migrated"))
     progress = [0] * len(PROMPTS)
-    kill: list[subprocess.Popen] = []
+    kill: list[dict] = []
+
+    def kill_the_busiest() -> None:
+        # Routing decides where the streams run, so the victim is the engine running the most of
+        # them when the kill lands: a fixed victim could be idle, and then nothing migrates.
+        running = {name: running_requests(stack.url(name)) for name in engines}
+        victim = max(running, key=running.get)
+        kill[0].update(running=running, victim=victim, rc=dockerhost.run(
+            ["docker", "kill", stack.containers[victim]], 30).returncode)
 
     def on_chunk(i: int, out: dict) -> None:
         progress[i] = out["chunks"]
         if not kill and sum(n >= 6 for n in progress) >= len(PROMPTS) // 2:  # half the streams under way
-            kill.append(subprocess.Popen(["docker", "kill", victim], stdout=subprocess.DEVNULL))  # no wait in the loop
+            kill.append({"thread": threading.Thread(target=kill_the_busiest, daemon=True)})  # no wait in the loop
+            kill[0]["thread"].start()
 
     results = asyncio.run(stream_all(stack, on_chunk))
     assert kill, f"the streams never got under way: {progress}"
-    assert kill[0].wait(30) == 0, "docker kill failed"
-    state = dockerhost.check(["docker", "inspect", "--format", "{{json .State}}", victim], 30, "docker inspect")
+    kill[0]["thread"].join(60)
+    assert kill[0].get("rc") == 0, f"docker kill failed: {kill[0]}"
+    victim = kill[0]["victim"]
+    survivor = next(name for name in engines if name != victim)
+    state = dockerhost.check(["docker", "inspect", "--format", "{{json .State}}", stack.containers[victim]], 30,
+                             "docker inspect")
     migrated = asyncio.run(metric(stack.gateway, "strata:gateway_migrations_total", outcome="migrated"))
     failed = asyncio.run(metric(stack.gateway, "strata:gateway_migrations_total", outcome="failed"))
     FIGURES["engine_kill"] = {"streams": len(PROMPTS), "migrated": migrated - migrated_before, "failed": failed,
+                              "victim": victim, "running_at_kill": kill[0]["running"],
                               "victim_state_after": json.loads(state.stdout).get("Status"),
-                              # Where the fault-free run's streams ran and where these ended: one local
-                              # run saw no migration at all (did every stream miss the victim?).
                               "reference_replicas": dict(Counter((r["strata"] or {}).get("replica_id") for r in reference)),
                               "final_replicas": dict(Counter((r["strata"] or {}).get("replica_id") for r in results))}
     for ref, got, prompt in zip(reference, results, PROMPTS):
-        assert got["error"] is None, (prompt, got["error"], stack.logs("gateway", "engine-cpu-2"))
+        assert got["error"] is None, (prompt, got["error"], stack.logs("gateway", survivor))
         assert got["finish"] == "length" and got["usage"].completion_tokens == MAX_TOKENS, (prompt, got)
         assert got["text"] == ref["text"], (prompt, ref["text"], got["text"])
     assert migrated - migrated_before >= 1 and failed == 0, FIGURES["engine_kill"]
