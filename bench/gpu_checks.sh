@@ -31,7 +31,7 @@ py=${PYTHON:-python3}
 echo "== engine tests on CUDA"
 timeout "${TESTS_S:-150}" $py -m pytest -q -rs -p no:cacheprovider --timeout 120 \
   tests/engine/test_cuda_engine.py tests/engine/test_triton_backend.py \
-  tests/engine/test_spec_decode.py -k "cuda or triton" 2>&1 | tee "$out/engine_tests.log" | tail -25
+  tests/engine/test_spec_decode.py tests/engine/test_sampler_device_path.py -k "cuda or triton" 2>&1 | tee "$out/engine_tests.log" | tail -25
 
 echo "== models"
 $py -m shared.realistic_models M L ${tokenizers:+--tokenizers "$tokenizers"} 2>&1 | tee "$out/models.log"

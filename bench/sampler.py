@@ -6,7 +6,7 @@ model's dtype), side by side with a reference sampler that does what Strata's sa
 issue 16: logits copied to the host in fp32, the whole vocabulary sorted per row, a softmax and one
 `torch.multinomial` draw per row with its own generator, and with the general path (the same
 sampler with its fused CPU kernel off: the candidates and whole-row draws in C, the rest as
-torch ops, as other devices run it). Rows carry 300 prompt and 100 output tokens, so penalties
+torch ops) and with the torch path (no C at all: what other devices run, here on the CPU). Rows carry 300 prompt and 100 output tokens, so penalties
 have counts to gather. Best of --repeats, after a warm-up.
 
     python bench/sampler.py [--threads 1] [--shapes 151936x64,32000x32] [--repeats 5]
@@ -107,20 +107,23 @@ def main(argv=None) -> int:
         vocab, rows = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         logits = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
-        sampler, general = Sampler(vocab), Sampler(vocab, fused=False)
+        sampler, general, torch_path = Sampler(vocab), Sampler(vocab, fused=False), Sampler(vocab)
+        torch_path.use_c_kernels = False
         print(f"\n-- vocab {vocab:,}, {rows} rows, {args.threads} thread(s): ms per step")
-        print(f"  {'setting':32s} {'strata':>9s} {'general':>9s} {'reference':>10s} {'speed-up':>9s}")
+        print(f"  {'setting':32s} {'strata':>9s} {'general':>9s} {'torch':>9s} {'reference':>10s} {'speed-up':>9s}")
         for name, cfg in SETTINGS.items():
             seqs = make_seqs(SamplingParams(**cfg).resolved(), rows, vocab)
             # sample() may write its logits (penalties mask the seen ids): a fresh copy each time, untimed
             strata = best_ms(lambda x: sampler.sample(x, sampler.prepare(seqs)), args.repeats, logits.clone)
             general_ms = best_ms(lambda x: general.sample(x, general.prepare(seqs)), args.repeats, logits.clone)
+            torch_ms = best_ms(lambda x: torch_path.sample(x, torch_path.prepare(seqs)), args.repeats, logits.clone)
             ref = None if args.no_reference else best_ms(lambda: reference_sample(logits, seqs),
                                                          max(1, args.repeats // 2))
             ratio = f"{ref / strata:8.1f}x" if ref else "-"
-            print(f"  {name:32s} {strata:9.2f} {general_ms:9.2f} {ref if ref else float('nan'):10.1f} {ratio:>9s}")
+            print(f"  {name:32s} {strata:9.2f} {general_ms:9.2f} {torch_ms:9.2f} "
+                  f"{ref if ref else float('nan'):10.1f} {ratio:>9s}")
             rows_out.append({"vocab": vocab, "rows": rows, "setting": name, "strata_ms": strata,
-                             "general_path_ms": general_ms, "reference_ms": ref})
+                             "general_path_ms": general_ms, "torch_path_ms": torch_ms, "reference_ms": ref})
     write_results(args.out, args, {"rows": rows_out})
     return 0
 

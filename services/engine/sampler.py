@@ -22,6 +22,13 @@ back (top-k ties past the candidates' room, a whole row rejected CPU_SAMPLE_ROUN
 greedy rows take the general path, which on other devices runs as torch ops and on CPU uses C
 for its vocabulary-wide passes (argmax, top-k candidates, whole-row draws).
 
+On other devices nothing in `sample` waits for the host until the step's tokens are copied back:
+`prepare` makes every index and parameter tensor (row sets, penalties, the uniform draws) with
+non-blocking copies while the forward pass runs, and the rows the device pass cannot settle (top-k
+ties past the candidates' room, whole rows every rejection round rejected) come back as flags in
+that same copy and are settled after it, exactly, on the slow path. On a GPU each blocking copy or
+`bool(tensor)` mid-sample is a stream sync that leaves it idle while the host launches the next op.
+
 Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
 min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
 
@@ -46,11 +53,11 @@ from services.engine.sequence import Sequence
 from services.engine.structured import apply_masks as structured_masks
 
 NEG_INF = float("-inf")
-MAX_REJECTION_ROUNDS = 64  # then the remaining rows take the exact sort (never seen in practice)
+DEVICE_REJECTION_ROUNDS = 3  # top-p rejection rounds in torch (every row runs each); then the exact sort
+SORT_ROUND = 64  # the uniform draw of that sort (a round index no rejection round reaches)
 CPU_SAMPLE_ROUNDS = 8  # top-p rejection rounds in the C kernel; a row rejected 8 times continues in torch
-TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties (C path); more: the full path
+TOP_K_TIE_ROOM = 256  # candidates past the k-th value for its ties; more ties: the full path
 MERGED_TIE_ROOM = 64  # the same after merging penalized seen ids: torch's topk slows with its width
-TOP_K_WIDENINGS = 3  # torch path: candidate widths max_k + 1, x4, x16; a row still tied: the full path
 
 _MASK64 = (1 << 64) - 1
 _NO_SEEN_IDS, _NO_SEEN_COUNTS = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
@@ -65,13 +72,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def counter_uniforms(seeds: list[int], positions: list[int], round_: int = 0) -> np.ndarray:
-    """One uniform in [0, 1) per (seed, position, round): a pure function of its key."""
+def counter_uniforms(seeds: list[int], positions: list[int], round_: int | range = 0) -> np.ndarray:
+    """One uniform in [0, 1) per (seed, position, round): a pure function of its key. [n] for one
+    round, [n, len(rounds)] for a range of them."""
+    rounds = np.array([(r * 0xA0761D6478BD642F) & _MASK64 for r in np.atleast_1d(round_).tolist()],
+                      dtype=np.uint64)
     with np.errstate(over="ignore"):
         s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
         key = _splitmix64(s) ^ np.array(positions, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
-        key = _splitmix64(key ^ np.uint64((round_ * 0xA0761D6478BD642F) & _MASK64))
-    return (key >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        key = _splitmix64(key[:, None] ^ rounds[None, :])
+    u = (key >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return u if isinstance(round_, range) else u[:, 0]
 
 
 @dataclass
@@ -107,7 +118,12 @@ class Penalties:
         self.device = device
 
     def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(self.device)
+        return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(self.device, non_blocking=True)
+
+    def upload(self) -> None:
+        """Make the general path's tensors now, in `prepare` (made in `sample`, each copy would
+        wait for the forward pass on a GPU)."""
+        _ = self.ids, self.rows, self.repetition, self.frequency, self.presence
 
     @functools.cached_property
     def _rectangle(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,12 +132,12 @@ class Penalties:
         distinct = np.arange(width)[None, :] < self.lengths[:, None]
         # Padding: the row's first id and count (its offset), real entries from the flat run.
         where = np.where(distinct, self.offsets[:, None] + np.arange(width)[None, :], self.offsets[:, None])
-        return (torch.from_numpy(self.flat_ids[where]).to(self.device), torch.from_numpy(distinct).to(self.device),
-                torch.from_numpy(self.flat_counts[where]).to(self.device))
+        return tuple(torch.from_numpy(a).to(self.device, non_blocking=True)
+                     for a in (self.flat_ids[where], distinct, self.flat_counts[where]))
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:  # [p] row indices into the batch
-        return torch.tensor(self.row_list).to(self.device)
+        return torch.tensor(self.row_list).to(self.device, non_blocking=True)
 
     @property
     def ids(self) -> torch.Tensor:  # [p, L] seen ids
@@ -152,6 +168,59 @@ class Penalties:
     @property
     def _any_count(self) -> bool:
         return any(f or p for f, p in zip(self.frequency_list, self.presence_list))
+
+
+@dataclass
+class RowSet:
+    """Some rows of a step's batch (its greedy, top-k, whole-row or logprob rows) with their index
+    tensors on the logits' device, so that sampling gathers them without building an index from
+    a Python list (on a GPU a blocking copy: a stream sync)."""
+
+    rows: list[int]
+    index: torch.Tensor  # [len(rows)] int64
+    whole: bool  # every row of the batch, in order: nothing to gather
+    penalized: torch.Tensor | None  # positions in `rows` of the rows with penalties; None: none has
+    penalty_rows: torch.Tensor | None  # their rows in the batch's Penalties
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def of(self, x: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """These rows of x (indexed by the batch's rows); x itself when they are all of it,
+        unless a copy is asked for."""
+        if self.whole:
+            return x.clone() if copy else x
+        return x.index_select(0, self.index)
+
+    @staticmethod
+    def build(row_lists: list[list[int]], num_rows: int, penalties: Penalties | None,
+              device: torch.device) -> list[RowSet]:
+        """One RowSet per list, every index in one non-blocking copy."""
+        parts, layout = [], []
+        for rows in row_lists:
+            pairs = [(i, penalties.index[r]) for i, r in enumerate(rows) if r in penalties.index] if penalties else []
+            parts += [rows, [i for i, _ in pairs], [j for _, j in pairs]]
+            layout.append((rows, bool(pairs)))
+        sizes = [len(p) for p in parts]
+        flat = torch.from_numpy(np.fromiter((i for p in parts for i in p), dtype=np.int64, count=sum(sizes)))
+        views = iter(flat.to(device, non_blocking=True).split(sizes))
+        out = []
+        for rows, any_penalized in layout:
+            index, penalized, penalty_rows = next(views), next(views), next(views)
+            out.append(RowSet(rows, index, rows == list(range(num_rows)),
+                              penalized if any_penalized else None, penalty_rows if any_penalized else None))
+        return out
+
+
+@dataclass
+class RowSets:
+    greedy: RowSet
+    top_k: RowSet
+    full: RowSet
+    logprobs: RowSet
 
 
 @dataclass
@@ -186,12 +255,27 @@ class SamplingBatch:
     seen_ids: np.ndarray | None = None
     seen_counts: np.ndarray | None = None
     unseeded: np.ndarray | None = None  # [len(fused_table)] bool: rows whose key is drawn afresh each step
+    # Off the CPU: every row's uniform draws for rounds 0..DEVICE_REJECTION_ROUNDS-1, [n, rounds] fp64.
+    uniforms: torch.Tensor | None = None
+    _row_sets: RowSets | None = None
+
+    def row_sets(self) -> RowSets:
+        """The greedy, top-k, whole-row and logprob rows as RowSets (made once)."""
+        if self._row_sets is None:
+            self._row_sets = RowSets(*RowSet.build([self.greedy_rows, self.top_k_rows, self.full_rows,
+                                                    self.logprob_rows], self.num_rows, self.penalties, self.device))
+        return self._row_sets
+
+    def row_set(self, rows: list[int]) -> RowSet:
+        return RowSet.build([rows], self.num_rows, self.penalties, self.device)[0]
 
 
 class Sampler:
+    use_c_kernels = True  # False: the general path in torch ops even on CPU, as on other devices (tests)
+
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", fused: bool = True):
         """fused: on CPU, sampled rows go through the fused C kernel; False keeps them on the
-        general path, as other devices run it (bench/sampler.py compares the two)."""
+        general path (bench/sampler.py compares the two)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.fused = fused
@@ -220,6 +304,8 @@ class Sampler:
         if penalized:
             batch.penalties = self._prepare_penalties(seqs, penalized)
         if batch.all_greedy:
+            if not self._c_kernels_on(dev):
+                self._prepare_device(batch)
             return batch
 
         def column(values, dtype=torch.float32) -> torch.Tensor:
@@ -246,9 +332,28 @@ class Sampler:
         batch.any_min_p = any(params[i].min_p > 0.0 for i in sampled)
         if batch.any_min_p:
             batch.log_min_p = column([float(np.log(p.min_p)) if p.min_p > 0 else NEG_INF for p in params])
-        if dev.type == "cpu" and self.fused:
+        if dev.type == "cpu" and self.fused and self.use_c_kernels:
             self._prepare_fused_table(seqs, batch)
+        if batch.fused_table is None and not self._c_kernels_on(dev):
+            self._prepare_device(batch)
         return batch
+
+    def _c_kernels_on(self, device: torch.device) -> bool:
+        return device.type == "cpu" and self.use_c_kernels and cpu_kernels.load() is not None
+
+    def _prepare_device(self, batch: SamplingBatch) -> None:
+        """Everything the torch path reads, made now with non-blocking copies (they overlap the
+        forward pass): the row sets, the penalties' tensors, each row's uniform draws."""
+        batch.row_sets()
+        if batch.penalties is not None:
+            batch.penalties.upload()
+        if batch.all_greedy:
+            return
+        rounds = DEVICE_REJECTION_ROUNDS
+        u = torch.rand(batch.num_rows, rounds, generator=self.generator, dtype=torch.float64)
+        if batch.seeded_rows:
+            u[batch.seeded_rows] = torch.from_numpy(counter_uniforms(batch.seeds, batch.positions, range(rounds)))
+        batch.uniforms = u.to(batch.device, non_blocking=True)
 
     @staticmethod
     def _prepare_fused_table(seqs: list[Sequence], batch: SamplingBatch) -> None:
@@ -303,15 +408,23 @@ class Sampler:
         if batch.grammar_masks is not None:  # after the processors: the grammar has the last word
             logits = structured_masks(logits, batch.grammar_masks, self.vocab_size)
         chosen, rest = None, batch
-        if batch.fused_table is not None and cpu_kernels.supports(logits) and logits.stride(-1) == 1:
+        if batch.fused_table is not None and self._c_kernels(logits):
             chosen, rest = self._draw_fused(logits, batch)
-        if rest is not None:  # rows left for the general path
-            seen = None
-            if (pen := rest.penalties) is not None:
-                seen = self.penalized_values(logits, pen)
-                logits[pen.rows.view(-1, 1), pen.ids] = NEG_INF
-            chosen = self._draw(logits, rest, seen, chosen)
-        return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
+        if rest is None:
+            return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
+        seen = None  # the rows left for the general path
+        if (pen := rest.penalties) is not None:
+            seen = self.penalized_values(logits, pen)
+            # A device scalar: a Python one is wrapped from host data (the test of this path counts those).
+            logits.index_put_((pen.rows.view(-1, 1), pen.ids), logits.new_full((), NEG_INF))
+        chosen, unsettled = self._draw(logits, rest, seen, chosen)
+        # The step's one device-to-host copy: the tokens and the flags of the rows left unsettled.
+        flags = unsettled.flags()
+        host = torch.cat([chosen, *(f.long() for f in flags)]).tolist() if flags else chosen.tolist()
+        if any(host[batch.num_rows:]):
+            self._settle(logits, rest, seen, chosen, unsettled, host[batch.num_rows:])
+            host = chosen.tolist()
+        return SampleResult(host[:batch.num_rows], self.logprob_results(logprob_rows, batch, chosen))
 
     def _draw_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SamplingBatch | None]:
         """The sampled rows in the fused C kernel (penalties, candidates or whole-row weights,
@@ -331,7 +444,7 @@ class Sampler:
             return chosen, None
         top_k_left = [j for j, row in enumerate(batch.top_k_rows) if tokens[row] < 0]
         narrowed = dataclasses.replace(
-            batch, fused_table=None, top_k_rows=[batch.top_k_rows[j] for j in top_k_left],
+            batch, fused_table=None, _row_sets=None, top_k_rows=[batch.top_k_rows[j] for j in top_k_left],
             top_k=batch.top_k[top_k_left] if top_k_left else None,
             max_top_k=int(batch.top_k[top_k_left].max()) if top_k_left else 0,
             full_rows=[row for row in batch.full_rows if tokens[row] < 0])
@@ -349,7 +462,8 @@ class Sampler:
         results: list[tuple[float, dict[int, float]] | None] = [None] * batch.num_rows
         if logprob_rows is not None:
             raw, lse, top_values, top_ids = logprob_rows
-            chosen_lp = (raw.gather(1, chosen[batch.logprob_rows].view(-1, 1)).view(-1).float() - lse).tolist()
+            picked = batch.row_sets().logprobs.of(chosen.to(raw.device))
+            chosen_lp = (raw.gather(1, picked.view(-1, 1)).view(-1).float() - lse).tolist()
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
             for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.logprob_counts)):
                 results[row] = (chosen_lp[j], dict(zip(top_ids[j][:k], top_values[j][:k])))
@@ -410,24 +524,24 @@ class Sampler:
             self._f32_buffer = torch.empty((max(x.shape[0], 64), self.vocab_size), dtype=torch.float32, device=x.device)
         return self._f32_buffer[:x.shape[0], :x.shape[1]].copy_(x)
 
-    @staticmethod
-    def _argmax(x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.supports(x) and x.stride(-1) == 1:
-            return cpu_kernels.argmax(x)
-        return x.argmax(dim=-1)
+    def _c_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the C kernels take x (CPU, a kernel dtype, rows contiguous)."""
+        return self.use_c_kernels and cpu_kernels.supports(x) and x.stride(-1) == 1
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.argmax(x) if self._c_kernels(x) else x.argmax(dim=-1)
 
     LSE_ROWS = 8  # rows widened to fp32 at once for their log-sum-exp (a small, cache-resident temporary)
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, batch: SamplingBatch):
+    def _logprobs(self, logits: torch.Tensor, batch: SamplingBatch):
         """What the raw logits' (before penalties and temperature) log-softmax is needed for, asking
         rows only: logprob = logit - logsumexp(row). The rows stay in the model's dtype: on CPU
         one C pass a row gives the log-sum-exp and the top-n; elsewhere only the log-sum-exp is
         computed in fp32, a few rows at a time (a whole [rows, vocab] fp32 log-softmax costs more
         in memory traffic than the arithmetic)."""
-        raw = logits[batch.logprob_rows]
+        raw = batch.row_sets().logprobs.of(logits, copy=True)  # `logits` may change before they are read
         k = max(batch.logprob_counts)
-        if cpu_kernels.supports(raw):  # one C pass a row: log-sum-exp and top-k together
+        if self.use_c_kernels and cpu_kernels.supports(raw):  # one C pass a row: log-sum-exp and top-k together
             lse, values, ids, _, _ = cpu_kernels.logprob_rows(raw, k)
             return raw, lse, values, ids
         lse = torch.empty(raw.shape[0], dtype=torch.float32, device=raw.device)
@@ -455,17 +569,11 @@ class Sampler:
             logits[pen.rows.view(-1, 1), pen.ids] = Sampler.penalized_values(logits, pen)
         return logits
 
-    @staticmethod
-    def _penalized_among(batch: SamplingBatch, rows: list[int]) -> tuple[list[int], list[int]]:
-        """(positions in `rows`, their rows in batch.penalties) of the rows that have penalties."""
-        if batch.penalties is None:
-            return [], []
-        index = batch.penalties.index
-        pairs = [(i, index[r]) for i, r in enumerate(rows) if r in index]
-        return [i for i, _ in pairs], [j for _, j in pairs]
-
-    def _uniforms(self, batch: SamplingBatch, rows: list[int], round_: int) -> torch.Tensor:
-        """[len(rows), 1] uniforms for these rows of the batch, this rejection round."""
+    def _uniforms(self, batch: SamplingBatch, rows: RowSet, round_: int) -> torch.Tensor:
+        """[len(rows), 1] uniforms for these rows of the batch, this rejection round: from the
+        table `prepare` made off the CPU, else drawn now (seeded rows: counter-based)."""
+        if batch.uniforms is not None and round_ < batch.uniforms.shape[1]:
+            return rows.of(batch.uniforms)[:, round_:round_ + 1]
         u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         if batch.seeded_rows:
             where = {r: j for j, r in enumerate(rows)}
@@ -477,33 +585,50 @@ class Sampler:
         return u.view(-1, 1).to(self.device, non_blocking=True)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None,
-              chosen: torch.Tensor | None = None) -> torch.Tensor:
-        """`logits` with the penalized rows' seen ids masked; `seen` their penalized values;
-        `chosen`: the tokens of rows already drawn, if any (the batch lists only the others)."""
-        greedy = batch.greedy_rows
+              chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, Unsettled]:
+        """Every row's token on the logits' device, with no host round trip; `seen`: the penalized
+        rows' penalized seen values; `chosen`: the tokens of rows already drawn, if any (the batch
+        lists only the others). Returns the tokens and what is left to settle once they reach
+        the host (their tokens there are placeholders)."""
+        sets = batch.row_sets()
+        unsettled = Unsettled()
         if chosen is None and batch.all_greedy:
-            return self._argmax_rows(logits, greedy, batch, seen)
+            return self._argmax_rows(logits, sets.greedy, batch, seen), unsettled
         if chosen is None:
             chosen = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
-        if greedy:
-            chosen[greedy] = self._argmax_rows(logits, greedy, batch, seen)
-        fallback: list[int] = []
-        if batch.top_k_rows:
-            fallback = self._draw_top_k(logits, batch, chosen, seen)
-        full = sorted(batch.full_rows + fallback)
-        if full:
-            self._draw_full(self._dense_rows(logits, full, batch, seen), batch, full, chosen, set(fallback))
-        return chosen
+        if sets.greedy:
+            chosen.index_copy_(0, sets.greedy.index, self._argmax_rows(logits, sets.greedy, batch, seen))
+        if sets.top_k:
+            unsettled.tied = self._draw_top_k(logits, batch, chosen, seen)
+        if sets.full:
+            unsettled.rejected = self._draw_full(self._dense_rows(logits, sets.full, batch, seen), batch, sets.full,
+                                                 chosen)
+        return chosen, unsettled
 
-    def _argmax_rows(self, logits: torch.Tensor, rows: list[int], batch: SamplingBatch,
+    def _settle(self, logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None, chosen: torch.Tensor,
+                unsettled: Unsettled, flags: list[int]) -> None:
+        """The rows the device pass left, exactly, on the slow path (host round trips allowed):
+        whole rows rejected every round take the sort; top-k rows whose ties outgrew the
+        candidates are drawn over their whole row above the k-th value. `flags`: the
+        unsettled flags as they came back with the tokens."""
+        tied_flags = flags[:len(batch.top_k_rows)] if unsettled.tied is not None else []
+        if unsettled.rejected is not None:  # first: its weights may sit in the fp32 buffer
+            self._sort_rejected(unsettled.rejected, flags[len(tied_flags):], batch, chosen)
+        tied = [row for row, flag in zip(batch.top_k_rows, tied_flags) if flag]
+        if tied:
+            rows = batch.row_set(tied)
+            rejected = self._draw_full(self._dense_rows(logits, rows, batch, seen), batch, rows, chosen, tied=True)
+            if rejected is not None:
+                self._sort_rejected(rejected, rejected.pending.tolist(), batch, chosen)
+
+    def _argmax_rows(self, logits: torch.Tensor, rows: RowSet, batch: SamplingBatch,
                      seen: torch.Tensor | None) -> torch.Tensor:
         """These rows' argmax (the first index of the largest value, as torch.argmax), penalties
         included: the masked row's argmax against the best of its seen ids."""
-        x = self._rows(logits, rows)
+        x = rows.of(logits)
         chosen = self._argmax(x)
-        local, prow = self._penalized_among(batch, rows)
-        if local:
-            pen = batch.penalties
+        if rows.penalized is not None:
+            pen, prow, local = batch.penalties, rows.penalty_rows, rows.penalized
             values = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF)
             best_seen = values.max(dim=-1).values
             # The smallest id of the ties, as torch.argmax would pick (seen ids are not sorted).
@@ -514,77 +639,63 @@ class Sampler:
             chosen[local] = torch.where(take, seen_id, unseen_id)
         return chosen
 
-    def _dense_rows(self, logits: torch.Tensor, rows: list[int], batch: SamplingBatch,
+    def _dense_rows(self, logits: torch.Tensor, rows: RowSet, batch: SamplingBatch,
                     seen: torch.Tensor | None) -> torch.Tensor:
         """These rows whole, penalized: an fp32 copy with the seen values written back where any
         row has penalties, else the rows as they are."""
-        x = self._rows(logits, rows)
-        local, prow = self._penalized_among(batch, rows)
-        if not local:
+        x = rows.of(logits)
+        if rows.penalized is None:
             return x
         x = self._fp32(x)
-        x[torch.tensor(local, device=x.device).view(-1, 1), batch.penalties.ids[prow]] = seen[prow]
+        x[rows.penalized.view(-1, 1), batch.penalties.ids[rows.penalty_rows]] = seen[rows.penalty_rows]
         return x
-
-    @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        if len(rows) == logits.shape[0]:
-            return logits
-        return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _candidates(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's k largest values and every value tied with its k-th (the kept set keeps
-        ties, and bf16 logits tie often): (fp32 values sorted descending, -inf as padding; ids;
-        complete: whether the row's candidates hold every such value, else it takes the full
-        path). On CPU one C pass; elsewhere topk, widened while ties reach its last column."""
-        vocab = x.shape[1]
-        if cpu_kernels.supports(x) and x.stride(-1) == 1:
+        ties, and bf16 logits tie often), up to TOP_K_TIE_ROOM of them: (fp32 values sorted
+        descending, -inf as padding; ids; complete: whether the row's candidates hold every such
+        value, else it takes the full path). On CPU one C pass; elsewhere one topk."""
+        if self._c_kernels(x):
             values, ids, counts = cpu_kernels.topk_with_ties(x, k, k + TOP_K_TIE_ROOM)
             return values, ids, counts >= 0
-        width = min(k + 1, vocab)
-        for _ in range(TOP_K_WIDENINGS):
-            values, ids = x.topk(width, dim=-1)
-            values = values.float()
-            complete = values[:, -1] < values[:, k - 1] if width < vocab else torch.ones_like(values[:, 0], dtype=torch.bool)
-            if bool(complete.all()):
-                break
-            width = min(4 * width, vocab)
-        return values, ids, complete
+        width = min(k + TOP_K_TIE_ROOM, x.shape[1])
+        values, ids = x.topk(width, dim=-1)
+        values = values.float()
+        kth = values[:, k - 1]
+        if width == x.shape[1]:
+            return values, ids, torch.ones_like(kth, dtype=torch.bool)
+        # A -inf k-th: fewer finite values than k, all of them among the candidates.
+        return values, ids, (values[:, -1] < kth) | (kth == NEG_INF)
 
     def _draw_top_k(self, logits: torch.Tensor, batch: SamplingBatch, chosen: torch.Tensor,
-                    seen: torch.Tensor | None) -> list[int]:
+                    seen: torch.Tensor | None) -> torch.Tensor:
         """Rows with top-k: sample among their candidates (the k-th value's ties included).
-        Returns the rows whose ties did not fit the candidates; they take the full-row path."""
-        rows = batch.top_k_rows
+        Returns [len(top_k rows)] bool: the rows whose ties did not fit the candidates (their
+        tokens are placeholders; they take the full-row path once the flags reach the host)."""
+        rows = batch.row_sets().top_k
         # Temperature scaling keeps the order: pick candidates first, then scale them.
-        values, ids, complete = self._candidates(self._rows(logits, rows), batch.max_top_k)
+        values, ids, complete = self._candidates(rows.of(logits), batch.max_top_k)
         values, ids, complete = self._with_seen(values, ids, complete, rows, batch, seen)
         width = values.shape[1]
-        values = values / batch.temperature[rows]
+        values = values / rows.of(batch.temperature)
         kth = values.gather(1, batch.top_k - 1)
         keep = values >= kth
         if batch.any_top_p:
             probs = torch.softmax(values.masked_fill(~keep, NEG_INF), dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             # The kept prefix ends at the crossing token; its ties stay (threshold semantics).
-            last = (mass_before < batch.top_p[rows]).sum(dim=-1, keepdim=True).clamp(min=1) - 1
+            last = (mass_before < rows.of(batch.top_p)).sum(dim=-1, keepdim=True).clamp(min=1) - 1
             keep &= values >= values.gather(1, last)
         if batch.any_min_p:
-            keep &= values >= values[:, :1] + batch.log_min_p[rows]
+            keep &= values >= values[:, :1] + rows.of(batch.log_min_p)
         weights = torch.exp(values - values[:, :1]).masked_fill_(~keep, 0.0)
         cdf = weights.cumsum(dim=-1)
         u = self._uniforms(batch, rows, 0)
         index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=width - 1)
-        picked = ids.gather(1, index).view(-1)
-        if bool(complete.all()):
-            chosen[rows] = picked
-            return []
-        good = complete.nonzero().view(-1).tolist()
-        if good:
-            chosen[[rows[j] for j in good]] = picked[good]
-        return [rows[j] for j in (~complete).nonzero().view(-1).tolist()]
+        chosen.index_copy_(0, rows.index, ids.gather(1, index).view(-1))
+        return ~complete
 
-    def _with_seen(self, values: torch.Tensor, ids: torch.Tensor, complete: torch.Tensor, rows: list[int],
+    def _with_seen(self, values: torch.Tensor, ids: torch.Tensor, complete: torch.Tensor, rows: RowSet,
                    batch: SamplingBatch, seen: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Candidates of masked rows merged with their seen ids' penalized values: the largest
@@ -592,15 +703,14 @@ class Sampler:
         so every value tied with it is among the merged ones; a row whose ties do not fit that
         width is marked incomplete (it takes the full-row path). A top-k of the merged rows, not
         a sort: 4x faster at 32 rows x (k + 256 + 400 seen ids)."""
-        local, prow = self._penalized_among(batch, rows)
-        if not local:
+        if rows.penalized is None:
             return values, ids, complete
-        pen = batch.penalties
+        pen, prow = batch.penalties, rows.penalty_rows
         width = pen.ids.shape[1]
         extra = torch.full((len(rows), width), NEG_INF, device=values.device)
-        extra[local] = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF)
+        extra[rows.penalized] = seen[prow].masked_fill(~pen.distinct[prow], NEG_INF)
         extra_ids = torch.zeros((len(rows), width), dtype=ids.dtype, device=ids.device)
-        extra_ids[local] = pen.ids[prow]
+        extra_ids[rows.penalized] = pen.ids[prow]
         kept = min(values.shape[1], batch.max_top_k + MERGED_TIE_ROOM)
         merged, order = torch.cat([values, extra], dim=1).topk(kept + 1, dim=1)
         # The largest value left out must be below the k-th, or ties of the k-th were cut (a -inf
@@ -610,83 +720,109 @@ class Sampler:
         order = order[:, :kept]
         return merged[:, :kept], torch.cat([ids, extra_ids], dim=1).gather(1, order), complete
 
-    def _draw_full(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], chosen: torch.Tensor,
-                   tied_top_k_rows: set[int]) -> None:
+    def _draw_full(self, x: torch.Tensor, batch: SamplingBatch, rows: RowSet, chosen: torch.Tensor,
+                   tied: bool = False) -> Rejected | None:
         """Inverse-CDF sampling over whole rows (`x`: those rows, penalized); top-p by rejection
-        against a rising pivot.
+        against a rising pivot; `tied`: top-k rows whose ties outgrew the candidates (the k-th
+        value bounds them). Returns the rows every round rejected (None when none can be).
 
-        On CPU one C pass per row does it (the first rounds); elsewhere, and for a row the C
-        rounds all rejected, torch on w = exp((logit - max) / T), the unnormalized
-        probabilities (largest 1), in one buffer: the thresholds compare probabilities."""
+        On CPU one C pass per row does the first rounds; elsewhere, and for a row the C rounds
+        all rejected, torch on w = exp((logit - max) / T), the unnormalized probabilities
+        (largest 1), for every row at once (no host round trip between rounds): the
+        thresholds compare probabilities."""
         first_round = 0
-        if cpu_kernels.supports(x) and x.stride(-1) == 1:
-            picked = self._draw_full_cpu(x, batch, rows, tied_top_k_rows).tolist()
-            left = [j for j, token in enumerate(picked) if token < 0]
-            done = [j for j, token in enumerate(picked) if token >= 0]
-            chosen[[rows[j] for j in done]] = torch.tensor([picked[j] for j in done], dtype=chosen.dtype)
-            if not left:
-                return
-            rows, first_round, x = [rows[j] for j in left], CPU_SAMPLE_ROUNDS, self._rows(x, left)
+        if self._c_kernels(x):
+            picked = self._draw_full_cpu(x, batch, rows, tied)
+            left = (picked < 0).nonzero().view(-1)
+            done = (picked >= 0).nonzero().view(-1)
+            chosen[rows.index[done]] = picked[done]
+            if not len(left):
+                return None
+            rows, first_round, x = batch.row_set([rows.rows[j] for j in left.tolist()]), CPU_SAMPLE_ROUNDS, x[left]
         w = self._fp32(x)  # in place when x is an fp32 copy or every row of fp32 logits
-        w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()
-        if tied_top_k_rows:  # apply the k-th value threshold over the whole row
+        w.sub_(w.max(dim=-1, keepdim=True).values).div_(rows.of(batch.temperature)).exp_()
+        if tied:  # the k-th value's threshold over the whole row (only after the host has the flags)
             where = {r: j for j, r in enumerate(batch.top_k_rows)}
-            ks = torch.tensor([int(batch.top_k[where[r]]) if r in tied_top_k_rows else 0 for r in rows],
-                              device=w.device).view(-1, 1)
-            kth = w.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).clamp(min=0))
-            w.masked_fill_((ks > 0) & (w < kth), 0.0)
+            ks = batch.top_k[[where[r] for r in rows]]
+            w.masked_fill_(w < w.topk(int(ks.max()), dim=-1).values.gather(1, ks - 1), 0.0)
         sample_w = w
         if batch.any_min_p:  # p / p_max = w
-            sample_w = w.masked_fill(w < batch.log_min_p[rows].exp(), 0.0)
-        top_p = batch.top_p[rows] if batch.any_top_p else None
-        total = w.sum(dim=-1, keepdim=True) if top_p is not None else None
-        pending = list(range(len(rows)))  # positions in `rows` still to draw
-        ws, sws = w, sample_w  # the pending rows' tensors
-        for round_ in range(MAX_REJECTION_ROUNDS):
-            cdf = sws.cumsum(dim=-1)
-            u = self._uniforms(batch, [rows[j] for j in pending], first_round + round_)
-            index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=w.shape[1] - 1)
-            del cdf
-            if top_p is None:
-                chosen[rows] = index.view(-1)
-                return
-            value = ws.gather(1, index)
+            sample_w = w.masked_fill(w < rows.of(batch.log_min_p).exp(), 0.0)
+        if not batch.any_top_p:
+            chosen.index_copy_(0, rows.index, self._inverse_cdf(sample_w, self._uniforms(batch, rows, first_round)))
+            return None
+        top_p = rows.of(batch.top_p)
+        threshold = top_p * w.sum(dim=-1, keepdim=True)  # top-p mass, unnormalized
+        pending = torch.ones(len(rows), dtype=torch.bool, device=w.device)
+        token = torch.zeros(len(rows), dtype=torch.int64, device=w.device)
+        pivoted = sample_w.clone()  # sample_w above each row's pivot; w and sample_w stay for the sort
+        for round_ in range(DEVICE_REJECTION_ROUNDS):
+            index = self._inverse_cdf(pivoted, self._uniforms(batch, rows, first_round + round_)).view(-1, 1)
+            value = w.gather(1, index)
             # Inside the top-p set iff the mass strictly above the token is below top_p.
-            above = ws.masked_fill(ws <= value, 0.0).sum(dim=-1, keepdim=True)
-            accept = (above < top_p[pending] * total[pending]).view(-1).tolist()
-            taken = [i for i, ok in enumerate(accept) if ok]
-            if taken:
-                chosen[[rows[pending[i]] for i in taken]] = index.view(-1)[taken]
-            rejected = [i for i, ok in enumerate(accept) if not ok]
-            if not rejected:
-                return
+            accept = (w.masked_fill(w <= value, 0.0).sum(dim=-1, keepdim=True) < threshold).view(-1) & pending
+            token = torch.where(accept, index.view(-1), token)
+            pending &= ~accept
             # Everything at or below a rejected token is outside the top-p set: raise the pivot.
-            ws, value = ws[rejected], value[rejected]
-            sws = sws[rejected].masked_fill_(ws <= value, 0.0)
-            pending = [pending[i] for i in rejected]
-        for j in pending:  # exact fallback for what is left: sort the row
-            chosen[rows[j]] = self._sort_sample(w[j], sample_w[j], top_p[j], batch, rows[j])
+            pivoted.masked_fill_((w <= value) & pending.view(-1, 1), 0.0)
+        chosen.index_copy_(0, rows.index, token)
+        return Rejected(rows, pending, w, sample_w, top_p)
 
-    def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int],
-                       tied_top_k_rows: set[int]) -> torch.Tensor:
+    @staticmethod
+    def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """[rows]: each row's draw from its unnormalized weights, u: [rows, 1] uniforms."""
+        cdf = weights.cumsum(dim=-1)
+        index = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True)
+        return index.clamp_(max=weights.shape[1] - 1).view(-1)
+
+    def _sort_rejected(self, rejected: Rejected, flags: list[int], batch: SamplingBatch, chosen: torch.Tensor) -> None:
+        """The exact fallback for the rows every rejection round rejected: sort those rows."""
+        pending = [j for j, flag in enumerate(flags) if flag]
+        if not pending:
+            return
+        rows = batch.row_set([rejected.rows.rows[j] for j in pending])
+        at = torch.tensor(pending, device=rejected.w.device)
+        w = rejected.w.index_select(0, at)
+        weights = rejected.sample_w.index_select(0, at).masked_fill_(
+            w < self._top_p_floor(w, rejected.top_p.index_select(0, at)), 0.0)
+        chosen.index_copy_(0, rows.index, self._inverse_cdf(weights, self._uniforms(batch, rows, SORT_ROUND)))
+
+    def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: RowSet, tied: bool) -> torch.Tensor:
         """The first CPU_SAMPLE_ROUNDS draws of every row in the C kernel; -1 where all were
         rejected."""
         n = len(rows)
         floor = torch.full((n,), NEG_INF)
-        if tied_top_k_rows:  # the k-th raw value bounds the row from below
+        if tied:  # the k-th raw value bounds the row from below
             where = {r: j for j, r in enumerate(batch.top_k_rows)}
             for j, r in enumerate(rows):
-                if r in tied_top_k_rows:
-                    k = int(batch.top_k[where[r]])
-                    floor[j] = x[j].float().topk(k).values[-1]
-        temperature = batch.temperature[rows].view(-1)
-        min_p = batch.log_min_p[rows].exp().view(-1) if batch.any_min_p else torch.zeros(n)
-        top_p = batch.top_p[rows].view(-1) if batch.any_top_p else torch.ones(n)
+                floor[j] = x[j].float().topk(int(batch.top_k[where[r]])).values[-1]
+        temperature = rows.of(batch.temperature).view(-1)
+        min_p = rows.of(batch.log_min_p).exp().view(-1) if batch.any_min_p else torch.zeros(n)
+        top_p = rows.of(batch.top_p).view(-1) if batch.any_top_p else torch.ones(n)
         uniforms = torch.cat([self._uniforms(batch, rows, round_) for round_ in range(CPU_SAMPLE_ROUNDS)], dim=1)
         return cpu_kernels.sample_rows(x, temperature, min_p, top_p, floor, uniforms)
 
-    def _sort_sample(self, w, sample_w, top_p, batch: SamplingBatch, row: int) -> torch.Tensor:
-        floor = self._top_p_floor(w.view(1, -1), top_p.view(1, 1)).view(1)
-        cdf = sample_w.masked_fill(w < floor, 0.0).cumsum(0)
-        u = self._uniforms(batch, [row], MAX_REJECTION_ROUNDS).view(-1)
-        return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[-1:], right=True).clamp_(max=w.shape[0] - 1)[0]
+
+@dataclass
+class Rejected:
+    """Whole rows with top-p that every device rejection round rejected (`pending`, bool), with
+    their weights for the exact sort (w: p / p_max; sample_w: the same after min-p)."""
+
+    rows: RowSet
+    pending: torch.Tensor
+    w: torch.Tensor
+    sample_w: torch.Tensor
+    top_p: torch.Tensor
+
+
+@dataclass
+class Unsettled:
+    """What a device pass leaves for after the step's tokens reach the host: flags of the top-k
+    rows whose ties outgrew the candidates, and the whole rows every rejection round rejected."""
+
+    tied: torch.Tensor | None = None  # [len(top_k rows)] bool
+    rejected: Rejected | None = None
+
+    def flags(self) -> list[torch.Tensor]:
+        """The flags to copy to the host with the tokens, in this order."""
+        return [f for f in (self.tied, self.rejected.pending if self.rejected else None) if f is not None]

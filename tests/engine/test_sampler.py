@@ -15,15 +15,17 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 
-@pytest.fixture(params=["fused", "general"], autouse=True)
+@pytest.fixture(params=["fused", "general", "torch"], autouse=True)
 def sampler_path(request, monkeypatch) -> str:
-    """Every test on both CPU paths of the top-k rows: the fused C kernel (penalties, candidates,
-    filters and draw in one pass) and the general path (candidates in C, the rest in torch, as on
-    other devices)."""
-    if request.param == "fused" and cpu_kernels.load() is None:
+    """Every test on the three paths of the sampled rows: the fused C kernel (penalties,
+    candidates, filters and draw in one pass), the general path (its vocabulary-wide passes in C,
+    the rest in torch) and the torch path other devices run (no C at all)."""
+    if request.param != "torch" and cpu_kernels.load() is None:
         pytest.skip("no C compiler: the CPU kernels are not built")
     if request.param == "general":
         monkeypatch.setattr(Sampler, "_prepare_fused_table", staticmethod(lambda seqs, batch: None))
+    if request.param == "torch":
+        monkeypatch.setattr(Sampler, "use_c_kernels", False)
     return request.param
 
 
@@ -250,9 +252,9 @@ def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monke
     assert kept == set(seen_ids) | set(range(10, 10 + k))
     full_rows = []
     draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
     drawn = sampler.sample(logits.clone(), batch).token_ids
-    assert sorted(full_rows) == (list(range(n)) if sampler_path == "general" else [])
+    assert sorted(full_rows) == (list(range(n)) if sampler_path != "fused" else [])
     assert set(drawn) <= kept and set(drawn) & set(seen_ids) and len(set(drawn)) > n // 2
 
 
@@ -264,7 +266,7 @@ def test_ties_past_the_tie_room_take_the_full_row(monkeypatch, sampler_path):
     logits[:, 1000:1000 + ties] = 2.0
     full_rows = []
     draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
     sampler = Sampler(vocab)
     params = [SamplingParams(temperature=1.0, top_k=k, seed=i, repetition_penalty=1.2 if i % 2 else 1.0)
               for i in range(n)]
@@ -315,7 +317,7 @@ def test_whole_rows_rejected_every_c_round_finish_on_the_general_path(monkeypatc
     expected = reference_set(logits, top_p=0.005)
     full_rows = []
     draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
     drawn = draw(logits, 48, temperature=1.0, top_p=0.005)
     assert set(drawn) <= expected and len(set(drawn)) > 1
     assert 0 < len(full_rows) < 48 if sampler_path == "fused" else len(full_rows) == 48
@@ -329,6 +331,6 @@ def test_a_row_masked_below_k_finite_values_draws_among_them(monkeypatch):
     logits[[7, 300, 4100]] = torch.tensor([1.0, 0.5, 0.2])
     full_rows = []
     draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a: full_rows.extend(r) or draw_full(self, x, b, r, *a))
+    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
     drawn = draw(logits, 600, temperature=1.0, top_k=50, top_p=0.99, repetition_penalty=1.2)
     assert set(drawn) == {7, 300, 4100} and not full_rows
