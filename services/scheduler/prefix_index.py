@@ -12,6 +12,11 @@ import redis.asyncio as aioredis
 
 from shared import keys
 
+# How long one scheduler's resync of a replica keeps the others from starting their own (the
+# snapshot request times out within it). A scheduler killed mid-resync leaves its lock this long,
+# and meanwhile that replica's index stays behind: short, since a second resync is only waste.
+RESYNC_LOCK_TTL_S = 2.0
+
 # The seq key holds "<epoch>:<seq>": the engine process incarnation and its last applied batch.
 # KEYS: seq key, replica set key. ARGV: replica, epoch, seq, prefix key prefix, n_stored, stored..., removed...
 _APPLY = """
@@ -103,7 +108,7 @@ class PrefixIndex:
             found = await pipe.execute()
         return [r for r, exists in zip(replica_ids, found) if not exists]
 
-    async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = 5.0) -> bool:
+    async def try_lock_resync(self, model: str, replica_id: str, ttl_s: float = RESYNC_LOCK_TTL_S) -> bool:
         return bool(await self.redis.set(keys.resync_lock(model, replica_id), b"1", nx=True, px=int(ttl_s * 1000)))
 
     async def unlock_resync(self, model: str, replica_id: str) -> None:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.scheduler.admission import AdmissionQueue, QueuedRequest
 from services.scheduler.lora_placement import DemandWindow, place_adapters, placed_replicas
 from services.scheduler.policy import POLICIES, Router, prefix_overlaps
-from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.prefix_index import RESYNC_LOCK_TTL_S, PrefixIndex
 from services.scheduler.regions import DEFAULT_PENALTY_S, rank_across_regions
 from services.scheduler.replicas import ReplicaView
 from services.scheduler.tracing import RoutingSpans
@@ -250,7 +250,7 @@ class SchedulerService:
         gap = False
         try:
             reply = await self.bus.request(protocol.engine_kv_snapshot(replica_id), KvSnapshotRequest(replica_id),
-                                           timeout=5)
+                                           timeout=RESYNC_LOCK_TTL_S)
             snap = protocol.decode(KvSnapshot, reply.data)
             await self.index.replace(model, replica_id, snap.epoch, snap.seq, snap.block_hashes)
             log.info("prefix index resynced", replica_id=replica_id, blocks=len(snap.block_hashes), seq=snap.seq)
