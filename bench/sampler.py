@@ -4,10 +4,11 @@ For each vocabulary and batch (default: 151,936 x 64 rows, the Qwen2.5 vocabular
 and each sampling setting, the time of `Sampler.prepare` + `Sampler.sample` on bf16 logits (the
 model's dtype), side by side with a reference sampler that does what Strata's sampler did before
 issue 16: logits copied to the host in fp32, the whole vocabulary sorted per row, a softmax and one
-`torch.multinomial` draw per row with its own generator, and with the general path (the same
-sampler with its fused CPU kernel off: the candidates and whole-row draws in C, the rest as
-torch ops) and with the torch path (no C at all: what other devices run, here on the CPU). Rows carry 300 prompt and 100 output tokens, so penalties
-have counts to gather. Best of --repeats, after a warm-up.
+`torch.multinomial` draw per row with its own generator; with the general path (the same sampler
+with its fused CPU kernel off: the candidates and whole-row draws in C, the rest as torch ops);
+and with the torch path (no C at all: what other devices run, here on the CPU). Rows carry 300
+prompt and 100 output tokens, so penalties have counts to gather. Best of --repeats, after a
+warm-up.
 
     python bench/sampler.py [--threads 1] [--shapes 151936x64,32000x32] [--repeats 5]
 """

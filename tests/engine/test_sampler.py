@@ -77,6 +77,19 @@ def draw(logits: torch.Tensor, n: int, **params) -> list[int]:
     return sampler.sample(logits.expand(n, -1).clone(), sampler.prepare(seqs)).token_ids
 
 
+def record_full_rows(monkeypatch) -> list[int]:
+    """The rows that take the whole-row path, as `_draw_full` is called with them."""
+    full_rows: list[int] = []
+    draw_full = Sampler._draw_full
+
+    def recording(self, x, batch, rows, *args, **kwargs):
+        full_rows.extend(rows)
+        return draw_full(self, x, batch, rows, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "_draw_full", recording)
+    return full_rows
+
+
 def random_logits(vocab: int, seed: int, ties: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(vocab, generator=g)
@@ -250,9 +263,7 @@ def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monke
     batch = sampler.prepare(rows(params, prompt=seen_ids))
     kept = reference_set(sampler.apply_penalties(logits.clone(), batch)[0], top_k=k)
     assert kept == set(seen_ids) | set(range(10, 10 + k))
-    full_rows = []
-    draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
+    full_rows = record_full_rows(monkeypatch)
     drawn = sampler.sample(logits.clone(), batch).token_ids
     assert sorted(full_rows) == (list(range(n)) if sampler_path != "fused" else [])
     assert set(drawn) <= kept and set(drawn) & set(seen_ids) and len(set(drawn)) > n // 2
@@ -264,9 +275,7 @@ def test_ties_past_the_tie_room_take_the_full_row(monkeypatch, sampler_path):
     vocab, k, n, ties = 3000, 4, 48, sampler_module.TOP_K_TIE_ROOM + 100
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) - 5
     logits[:, 1000:1000 + ties] = 2.0
-    full_rows = []
-    draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
+    full_rows = record_full_rows(monkeypatch)
     sampler = Sampler(vocab)
     params = [SamplingParams(temperature=1.0, top_k=k, seed=i, repetition_penalty=1.2 if i % 2 else 1.0)
               for i in range(n)]
@@ -315,9 +324,7 @@ def test_whole_rows_rejected_every_c_round_finish_on_the_general_path(monkeypatc
     vocab = 3000
     logits = random_logits(vocab, 8, ties=False) * 0.5
     expected = reference_set(logits, top_p=0.005)
-    full_rows = []
-    draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
+    full_rows = record_full_rows(monkeypatch)
     drawn = draw(logits, 48, temperature=1.0, top_p=0.005)
     assert set(drawn) <= expected and len(set(drawn)) > 1
     assert 0 < len(full_rows) < 48 if sampler_path == "fused" else len(full_rows) == 48
@@ -329,8 +336,6 @@ def test_a_row_masked_below_k_finite_values_draws_among_them(monkeypatch):
     vocab = 5000
     logits = torch.full((vocab,), float("-inf"))
     logits[[7, 300, 4100]] = torch.tensor([1.0, 0.5, 0.2])
-    full_rows = []
-    draw_full = Sampler._draw_full
-    monkeypatch.setattr(Sampler, "_draw_full", lambda self, x, b, r, *a, **kw: full_rows.extend(r) or draw_full(self, x, b, r, *a, **kw))
+    full_rows = record_full_rows(monkeypatch)
     drawn = draw(logits, 600, temperature=1.0, top_k=50, top_p=0.99, repetition_penalty=1.2)
     assert set(drawn) == {7, 300, 4100} and not full_rows
