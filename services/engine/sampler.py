@@ -590,8 +590,10 @@ class Sampler:
         rows' penalized seen values; `chosen`: the tokens of rows already drawn, if any (the batch
         lists only the others). Returns the tokens and what is left to settle once they reach
         the host (their tokens there are placeholders)."""
-        sets = batch.row_sets()
         unsettled = Unsettled()
+        if chosen is None and batch.all_greedy and batch.penalties is None:  # no row set needed
+            return self._argmax(logits), unsettled
+        sets = batch.row_sets()
         if chosen is None and batch.all_greedy:
             return self._argmax_rows(logits, sets.greedy, batch, seen), unsettled
         if chosen is None:
