@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one go, for a machine lent for minutes, in this order:
 #   1. the engine's tests on CUDA (test_cuda_engine.py, the Triton backend, speculative decoding's
-#      Triton path);
+#      Triton path, the sampler's Triton kernels), then bench/sampler.py on the GPU: the sampler's
+#      device path with its draws as torch ops against the Triton kernels;
 #   2. bench/engine_realistic.py on the GPU in bf16: Strata vs transformers generate (static batches) vs
 #      transformers' continuous batching (vLLM's CPU build does not run there);
 #   3. the Triton kernels' tests on CUDA, in the time that is left.
@@ -11,8 +12,8 @@
 # quick: the M shape at the bench's --quick sizes; full: M and L at its full sizes, three runs of
 # each point. TOKENIZERS_DIR: tokenizers shared/realistic_models.py trained elsewhere (its
 # STRATA_HOME/tokenizers), so that the GPU machine does not spend its minutes training them.
-# Each part has a time limit (TESTS_S, BENCH_S, KERNELS_S seconds) and a failure does not stop the
-# next. Everything lands in OUT_DIR (8 files).
+# Each part has a time limit (TESTS_S, SAMPLER_S, BENCH_S, KERNELS_S seconds) and a failure does not stop the
+# next. Everything lands in OUT_DIR (10 files).
 set -uo pipefail
 out=${1:?usage: bench/gpu_checks.sh OUT_DIR [quick|full] [TOKENIZERS_DIR]}
 size=${2:-quick}
@@ -31,7 +32,12 @@ py=${PYTHON:-python3}
 echo "== engine tests on CUDA"
 timeout "${TESTS_S:-150}" $py -m pytest -q -rs -p no:cacheprovider --timeout 120 \
   tests/engine/test_cuda_engine.py tests/engine/test_triton_backend.py \
-  tests/engine/test_spec_decode.py tests/engine/test_sampler_device_path.py -k "cuda or triton" 2>&1 | tee "$out/engine_tests.log" | tail -25
+  tests/engine/test_spec_decode.py tests/engine/test_sampler_device_path.py \
+  tests/engine/test_sampler_triton.py -k "cuda or triton" 2>&1 | tee "$out/engine_tests.log" | tail -25
+
+echo "== sampler"
+timeout "${SAMPLER_S:-60}" $py bench/sampler.py --device cuda --no-reference --repeats 10 \
+  --out "$out/sampler_gpu.json" 2>&1 | tee "$out/sampler.log"
 
 echo "== models"
 $py -m shared.realistic_models M L ${tokenizers:+--tokenizers "$tokenizers"} 2>&1 | tee "$out/models.log"

@@ -6,16 +6,24 @@ model's dtype), side by side with a reference sampler that does what Strata's sa
 issue 16: logits copied to the host in fp32, the whole vocabulary sorted per row, a softmax and one
 `torch.multinomial` draw per row with its own generator; with the general path (the same sampler
 with its fused CPU kernel off: the candidates and whole-row draws in C, the rest as torch ops);
-and with the torch path (no C at all: what other devices run, here on the CPU). Rows carry 300
-prompt and 100 output tokens, so penalties have counts to gather. Best of --repeats, after a
-warm-up.
+and with the torch path (no C at all: what other devices run, here on the CPU). With --device
+cuda: the device path with its draws as torch ops and as the Triton kernels (kernels/sampling.py,
+the default there), the logits on the GPU. Rows carry 300 prompt and 100 output tokens, so
+penalties have counts to gather. Best of --repeats, after a warm-up.
 
-    python bench/sampler.py [--threads 1] [--shapes 151936x64,32000x32] [--repeats 5]
+--launches counts instead the kernels one `sample` launches on the device path, torch ops against
+the Triton kernels (on CPU tensors, the kernels through TRITON_INTERPRET=1): on a GPU each launch
+is host time while the GPU waits, a few microseconds each.
+
+    python bench/sampler.py [--threads 1] [--shapes 151936x64,32000x32] [--repeats 5] [--device cpu]
+    python bench/sampler.py --launches [--shapes 20000x8] --out bench/results/sampler_launches.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import random
 import sys
 import time
@@ -24,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from bench.common import write_results  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
@@ -94,37 +103,130 @@ def best_ms(fn, repeats: int, setup=None) -> float:
     return min(times[1:]) * 1e3
 
 
+class KernelLaunches(TorchDispatchMode):
+    """Counts the kernels launched inside it: dispatched torch ops less views and bare allocations,
+    and calls of kernels.sampling's launchers (run with the mode off, so that the interpreter's own
+    ops are not counted)."""
+
+    NOT_KERNELS = {"view", "slice", "alias", "select", "resolve_conj", "resolve_neg", "expand", "as_strided",
+                   "unsqueeze", "squeeze", "empty", "detach", "t", "transpose", "split", "split_with_sizes"}
+    LAUNCHERS = ("penalized_values", "sample_candidates", "sample_whole_rows")
+
+    def __init__(self):
+        super().__init__()
+        self.torch_ops: collections.Counter = collections.Counter()
+        self.triton: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func).split(".")[1]
+        if name not in self.NOT_KERNELS:
+            self.torch_ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from kernels import sampling
+        self._launchers = {name: getattr(sampling, name) for name in self.LAUNCHERS}
+        for name, launch in self._launchers.items():
+            setattr(sampling, name, self._counted(name, launch))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from kernels import sampling
+        for name, launch in self._launchers.items():
+            setattr(sampling, name, launch)
+        return super().__exit__(*exc)
+
+    def _counted(self, name, launch):
+        def counted(*args, **kwargs):
+            self.triton[name] += 1
+            with _disable_current_modes():
+                return launch(*args, **kwargs)
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.torch_ops.values()) + sum(self.triton.values())
+
+
+def count_launches(vocab: int, rows: int, seqs: list[Sequence], triton: bool, device: str = "cpu") -> KernelLaunches:
+    """The kernels one `sample` launches on the device path (no C kernels) for these rows."""
+    sampler = Sampler(vocab, device)
+    sampler.use_c_kernels, sampler.use_triton_kernels = False, triton
+    batch = sampler.prepare(seqs)
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    with KernelLaunches() as launches:
+        sampler.sample(logits.to(device), batch)
+    return launches
+
+
+def launches_main(args) -> int:
+    rows_out = []
+    for shape in args.shapes.split(","):
+        vocab, rows = (int(v) for v in shape.split("x"))
+        print(f"\n-- vocab {vocab:,}, {rows} rows: kernels launched by one sample (device path)")
+        print(f"  {'setting':32s} {'torch ops':>10s} {'triton':>7s}  (torch + triton)")
+        for name, cfg in SETTINGS.items():
+            seqs = make_seqs(SamplingParams(**cfg).resolved(), rows, vocab)
+            ops, kernels = (count_launches(vocab, rows, seqs, triton, args.device) for triton in (False, True))
+            print(f"  {name:32s} {ops.total:10d} {kernels.total:7d}  "
+                  f"({sum(kernels.torch_ops.values())} + {sum(kernels.triton.values())})")
+            rows_out.append({"vocab": vocab, "rows": rows, "setting": name, "torch_ops_launches": ops.total,
+                             "triton_launches": kernels.total, "triton_path_torch_ops": dict(kernels.torch_ops),
+                             "triton_path_kernels": dict(kernels.triton)})
+    write_results(args.out, args, {"rows": rows_out})
+    return 0
+
+
+def samplers(vocab: int, device: str) -> dict[str, Sampler]:
+    """The arms compared on this device, by the JSON key of their time."""
+    if device == "cpu":
+        arms = {"strata_ms": Sampler(vocab), "general_path_ms": Sampler(vocab, fused=False),
+                "torch_path_ms": Sampler(vocab)}
+        arms["torch_path_ms"].use_c_kernels = False
+        return arms
+    arms = {"torch_ops_ms": Sampler(vocab, device), "triton_ms": Sampler(vocab, device)}
+    arms["torch_ops_ms"].use_triton_kernels = False
+    return arms
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shapes", default="151936x64,32000x32", help="VOCABxROWS,...")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-reference", action="store_true", help="skip the slow reference sampler")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: torch ops against the Triton kernels")
+    ap.add_argument("--launches", action="store_true", help="count kernel launches instead of timing")
     ap.add_argument("--out", default="bench/results/sampler.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.launches:
+        if args.device == "cpu":  # before triton is first imported (kernels.sampling imports it on first use)
+            os.environ["TRITON_INTERPRET"] = "1"
+        return launches_main(args)
     rows_out = []
     for shape in args.shapes.split(","):
         vocab, rows = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
-        logits = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
-        sampler, general, torch_path = Sampler(vocab), Sampler(vocab, fused=False), Sampler(vocab)
-        torch_path.use_c_kernels = False
-        print(f"\n-- vocab {vocab:,}, {rows} rows, {args.threads} thread(s): ms per step")
-        print(f"  {'setting':32s} {'strata':>9s} {'general':>9s} {'torch':>9s} {'reference':>10s} {'speed-up':>9s}")
+        logits = (torch.randn(rows, vocab) * 3).to(torch.bfloat16).to(args.device)
+        arms = samplers(vocab, args.device)
+        print(f"\n-- vocab {vocab:,}, {rows} rows, {args.device}, {args.threads} thread(s): ms per step")
+        print(f"  {'setting':32s} " + " ".join(f"{key[:-3]:>11s}" for key in arms) + f" {'reference':>10s} "
+              f"{'speed-up':>9s}")
         for name, cfg in SETTINGS.items():
             seqs = make_seqs(SamplingParams(**cfg).resolved(), rows, vocab)
-            # sample() may write its logits (penalties mask the seen ids): a fresh copy each time, untimed
-            strata = best_ms(lambda x: sampler.sample(x, sampler.prepare(seqs)), args.repeats, logits.clone)
-            general_ms = best_ms(lambda x: general.sample(x, general.prepare(seqs)), args.repeats, logits.clone)
-            torch_ms = best_ms(lambda x: torch_path.sample(x, torch_path.prepare(seqs)), args.repeats, logits.clone)
+            # sample() may write its logits (penalties mask the seen ids): a fresh copy each time,
+            # untimed; the step ends with its tokens on the host, so no device work is left out.
+            times = {key: best_ms(lambda x, s=s: s.sample(x, s.prepare(seqs)), args.repeats, logits.clone)
+                     for key, s in arms.items()}
             ref = None if args.no_reference else best_ms(lambda: reference_sample(logits, seqs),
                                                          max(1, args.repeats // 2))
-            ratio = f"{ref / strata:8.1f}x" if ref else "-"
-            print(f"  {name:32s} {strata:9.2f} {general_ms:9.2f} {torch_ms:9.2f} "
-                  f"{ref if ref else float('nan'):10.1f} {ratio:>9s}")
-            rows_out.append({"vocab": vocab, "rows": rows, "setting": name, "strata_ms": strata,
-                             "general_path_ms": general_ms, "torch_path_ms": torch_ms, "reference_ms": ref})
+            first = next(iter(times.values()))
+            ratio = f"{ref / first:8.1f}x" if ref else "-"
+            print(f"  {name:32s} " + " ".join(f"{ms:11.2f}" for ms in times.values()) +
+                  f" {ref if ref else float('nan'):10.1f} {ratio:>9s}")
+            rows_out.append({"vocab": vocab, "rows": rows, "device": args.device, "setting": name, **times,
+                             "reference_ms": ref})
     write_results(args.out, args, {"rows": rows_out})
     return 0
 

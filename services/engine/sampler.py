@@ -28,6 +28,9 @@ non-blocking copies while the forward pass runs, and the rows the device pass ca
 ties past the candidates' room, whole rows every rejection round rejected) come back as flags in
 that same copy and are settled after it, exactly, on the slow path. On a GPU each blocking copy or
 `bool(tensor)` mid-sample is a stream sync that leaves it idle while the host launches the next op.
+On CUDA the penalties' gather and the draws are Triton kernels (kernels/sampling.py): the top-k
+rows' candidates come from the densely penalized fp32 rows (cheap there), and a sampled step
+launches about 11 kernels where the same in torch ops takes about 60 (bench/sampler.py --launches).
 
 Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
 min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
@@ -270,8 +273,18 @@ class SamplingBatch:
         return RowSet.build([rows], self.num_rows, self.penalties, self.device)[0]
 
 
+@functools.cache
+def _triton_sampling():
+    """kernels.sampling, imported on first use (importing triton fixes whether it interprets)."""
+    from kernels import sampling
+    return sampling
+
+
 class Sampler:
     use_c_kernels = True  # False: the general path in torch ops even on CPU, as on other devices (tests)
+    # The device path's draws as Triton kernels (kernels/sampling.py). None: on CUDA; True: on any
+    # device (tests run them on CPU through TRITON_INTERPRET=1); False: torch ops everywhere.
+    use_triton_kernels: bool | None = None
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", fused: bool = True):
         """fused: on CPU, sampled rows go through the fused C kernel; False keeps them on the
@@ -414,7 +427,7 @@ class Sampler:
             return SampleResult(chosen.tolist(), self.logprob_results(logprob_rows, batch, chosen))
         seen = None  # the rows left for the general path
         if (pen := rest.penalties) is not None:
-            seen = self.penalized_values(logits, pen)
+            seen = self._penalized_values(logits, pen)
             # A device scalar: a Python one is wrapped from host data (the test of this path counts those).
             logits.index_put_((pen.rows.view(-1, 1), pen.ids), logits.new_full((), NEG_INF))
         chosen, unsettled = self._draw(logits, rest, seen, chosen)
@@ -524,6 +537,15 @@ class Sampler:
             self._f32_buffer = torch.empty((max(x.shape[0], 64), self.vocab_size), dtype=torch.float32, device=x.device)
         return self._f32_buffer[:x.shape[0], :x.shape[1]].copy_(x)
 
+    def _triton_kernels(self, x: torch.Tensor):
+        """kernels.sampling where the device draws on x run as Triton kernels (where the C
+        kernels do not take x), else None."""
+        if self._c_kernels(x):
+            return None
+        if self.use_triton_kernels or (self.use_triton_kernels is None and x.is_cuda):
+            return _triton_sampling()
+        return None
+
     def _c_kernels(self, x: torch.Tensor) -> bool:
         """Whether the C kernels take x (CPU, a kernel dtype, rows contiguous)."""
         return self.use_c_kernels and cpu_kernels.supports(x) and x.stride(-1) == 1
@@ -549,6 +571,13 @@ class Sampler:
             lse[start:start + Sampler.LSE_ROWS] = torch.logsumexp(raw[start:start + Sampler.LSE_ROWS].float(), dim=-1)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return raw, lse, values.float() - lse[:, None], ids
+
+    def _penalized_values(self, logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+        """`penalized_values`, one Triton kernel where the draws are."""
+        if (kernels := self._triton_kernels(logits)) is not None:
+            return kernels.penalized_values(logits, pen.rows, pen.ids, pen.output_counts, pen.repetition,
+                                            pen.frequency, pen.presence)
+        return self.penalized_values(logits, pen)
 
     @staticmethod
     def penalized_values(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
@@ -626,7 +655,10 @@ class Sampler:
     def _argmax_rows(self, logits: torch.Tensor, rows: RowSet, batch: SamplingBatch,
                      seen: torch.Tensor | None) -> torch.Tensor:
         """These rows' argmax (the first index of the largest value, as torch.argmax), penalties
-        included: the masked row's argmax against the best of its seen ids."""
+        included: the masked row's argmax against the best of its seen ids (where the draws are
+        Triton kernels, the densely penalized rows' argmax: 4 launches, not 20)."""
+        if rows.penalized is not None and self._triton_kernels(logits) is not None:
+            return self._argmax(self._dense_rows(logits, rows, batch, seen))
         x = rows.of(logits)
         chosen = self._argmax(x)
         if rows.penalized is not None:
@@ -675,6 +707,13 @@ class Sampler:
         Returns [len(top_k rows)] bool: the rows whose ties did not fit the candidates (their
         tokens are placeholders; they take the full-row path once the flags reach the host)."""
         rows = batch.row_sets().top_k
+        if (kernels := self._triton_kernels(logits)) is not None:  # candidates of the densely penalized rows
+            x = self._dense_rows(logits, rows, batch, seen)
+            values, ids = x.topk(min(batch.max_top_k + TOP_K_TIE_ROOM, x.shape[1]), dim=-1)
+            return kernels.sample_candidates(values, ids, rows.index, batch.top_k, batch.temperature,
+                                             batch.top_p if batch.any_top_p else None,
+                                             batch.log_min_p if batch.any_min_p else None, batch.uniforms, chosen,
+                                             all_candidates=values.shape[1] == x.shape[1])
         # Temperature scaling keeps the order: pick candidates first, then scale them.
         values, ids, complete = self._candidates(rows.of(logits), batch.max_top_k)
         values, ids, complete = self._with_seen(values, ids, complete, rows, batch, seen)
@@ -728,10 +767,15 @@ class Sampler:
         against a rising pivot; `tied`: top-k rows whose ties outgrew the candidates (the k-th
         value bounds them). Returns the rows every round rejected (None when none can be).
 
-        On CPU one C pass per row does the first rounds; elsewhere, and for a row the C rounds
-        all rejected, torch on w = exp((logit - max) / T), the unnormalized probabilities
-        (largest 1), for every row at once (no host round trip between rounds): the
-        thresholds compare probabilities."""
+        On CPU one C pass per row does the first rounds; on CUDA one Triton program per row does
+        the device rounds; elsewhere, and for a row the C rounds all rejected, torch on
+        w = exp((logit - max) / T), the unnormalized probabilities (largest 1), for every row at
+        once (no host round trip between rounds): the thresholds compare probabilities."""
+        if not tied and (kernels := self._triton_kernels(x)) is not None:
+            pending = kernels.sample_whole_rows(x, rows.index, batch.temperature,
+                                                batch.top_p if batch.any_top_p else None,
+                                                batch.log_min_p if batch.any_min_p else None, batch.uniforms, chosen)
+            return Rejected(rows, pending, rows.of(batch.top_p), x=x) if batch.any_top_p else None
         first_round = 0
         if self._c_kernels(x):
             picked = self._draw_full_cpu(x, batch, rows, tied)
@@ -741,15 +785,12 @@ class Sampler:
             if not len(left):
                 return None
             rows, first_round, x = batch.row_set([rows.rows[j] for j in left.tolist()]), CPU_SAMPLE_ROUNDS, x[left]
-        w = self._fp32(x)  # in place when x is an fp32 copy or every row of fp32 logits
-        w.sub_(w.max(dim=-1, keepdim=True).values).div_(rows.of(batch.temperature)).exp_()
+        w = self._unnormalized(self._fp32(x), rows, batch)  # in place: x is an fp32 copy, or fp32 logits
         if tied:  # the k-th value's threshold over the whole row (only after the host has the flags)
             where = {r: j for j, r in enumerate(batch.top_k_rows)}
             ks = batch.top_k[[where[r] for r in rows]]
             w.masked_fill_(w < w.topk(int(ks.max()), dim=-1).values.gather(1, ks - 1), 0.0)
-        sample_w = w
-        if batch.any_min_p:  # p / p_max = w
-            sample_w = w.masked_fill(w < rows.of(batch.log_min_p).exp(), 0.0)
+        sample_w = self._min_p(w, rows, batch)
         if not batch.any_top_p:
             chosen.index_copy_(0, rows.index, self._inverse_cdf(sample_w, self._uniforms(batch, rows, first_round)))
             return None
@@ -768,7 +809,17 @@ class Sampler:
             # Everything at or below a rejected token is outside the top-p set: raise the pivot.
             pivoted.masked_fill_((w <= value) & pending.view(-1, 1), 0.0)
         chosen.index_copy_(0, rows.index, token)
-        return Rejected(rows, pending, w, sample_w, top_p)
+        return Rejected(rows, pending, top_p, w, sample_w)
+
+    @staticmethod
+    def _unnormalized(w: torch.Tensor, rows: RowSet, batch: SamplingBatch) -> torch.Tensor:
+        """w = exp((logit - max) / T) in place (fp32 rows): the probabilities over the largest."""
+        return w.sub_(w.max(dim=-1, keepdim=True).values).div_(rows.of(batch.temperature)).exp_()
+
+    @staticmethod
+    def _min_p(w: torch.Tensor, rows: RowSet, batch: SamplingBatch) -> torch.Tensor:
+        """w with the tokens below min-p zeroed (p / p_max = w); w itself without min-p."""
+        return w.masked_fill(w < rows.of(batch.log_min_p).exp(), 0.0) if batch.any_min_p else w
 
     @staticmethod
     def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -783,10 +834,13 @@ class Sampler:
         if not pending:
             return
         rows = batch.row_set([rejected.rows.rows[j] for j in pending])
-        at = torch.tensor(pending, device=rejected.w.device)
-        w = rejected.w.index_select(0, at)
-        weights = rejected.sample_w.index_select(0, at).masked_fill_(
-            w < self._top_p_floor(w, rejected.top_p.index_select(0, at)), 0.0)
+        at = torch.tensor(pending, device=rejected.pending.device)
+        if rejected.w is None:  # drawn by the Triton kernel, which kept no weights
+            w = self._unnormalized(rejected.x.index_select(0, at).float(), rows, batch)
+            sample_w = self._min_p(w, rows, batch)
+        else:
+            w, sample_w = rejected.w.index_select(0, at), rejected.sample_w.index_select(0, at)
+        weights = sample_w.masked_fill(w < self._top_p_floor(w, rejected.top_p.index_select(0, at)), 0.0)
         chosen.index_copy_(0, rows.index, self._inverse_cdf(weights, self._uniforms(batch, rows, SORT_ROUND)))
 
     def _draw_full_cpu(self, x: torch.Tensor, batch: SamplingBatch, rows: RowSet, tied: bool) -> torch.Tensor:
@@ -808,13 +862,15 @@ class Sampler:
 @dataclass
 class Rejected:
     """Whole rows with top-p that every device rejection round rejected (`pending`, bool), with
-    their weights for the exact sort (w: p / p_max; sample_w: the same after min-p)."""
+    what the exact sort needs: their weights (w: p / p_max; sample_w: the same after min-p), or
+    the rows' logits (x) when a Triton kernel drew them."""
 
     rows: RowSet
     pending: torch.Tensor
-    w: torch.Tensor
-    sample_w: torch.Tensor
     top_p: torch.Tensor
+    w: torch.Tensor | None = None
+    sample_w: torch.Tensor | None = None
+    x: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@ top-p / min-p (ties and edge cases included), the sampled distribution (chi-squa
 filtered softmax), penalties against their formulas, and seeded draws that depend on nothing
 but (seed, position)."""
 
+import os
 import random
 
 import pytest
@@ -15,17 +16,39 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 
-@pytest.fixture(params=["fused", "general", "torch"], autouse=True)
+# Tests that draw thousands of rows: too slow for the Triton interpreter (20-60 ms a row), so they
+# run on the first three paths only; tests/engine/test_sampler_triton.py checks the kernels' draws
+# against references instead.
+THOUSANDS_OF_DRAWS = {"test_kept_candidates_are_exactly_the_reference_set", "test_ties_at_the_top_k_boundary_stay",
+                      "test_large_vocabularies_keep_the_reference_set",
+                      "test_sampled_distribution_matches_the_filtered_softmax",
+                      "test_a_row_masked_below_k_finite_values_draws_among_them"}
+
+
+def pytest_generate_tests(metafunc):
+    paths = ["fused", "general", "torch", "triton"]
+    if metafunc.function.__name__ in THOUSANDS_OF_DRAWS:
+        paths.remove("triton")
+    metafunc.parametrize("sampler_path", paths, indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def sampler_path(request, monkeypatch) -> str:
-    """Every test on the three paths of the sampled rows: the fused C kernel (penalties,
+    """Every test on the four paths of the sampled rows: the fused C kernel (penalties,
     candidates, filters and draw in one pass), the general path (its vocabulary-wide passes in C,
-    the rest in torch) and the torch path other devices run (no C at all)."""
-    if request.param != "torch" and cpu_kernels.load() is None:
+    the rest in torch), the torch path other devices run (no C at all) and the Triton kernels
+    CUDA runs (here through the Triton interpreter, on CPU tensors)."""
+    if request.param in ("fused", "general") and cpu_kernels.load() is None:
         pytest.skip("no C compiler: the CPU kernels are not built")
     if request.param == "general":
         monkeypatch.setattr(Sampler, "_prepare_fused_table", staticmethod(lambda seqs, batch: None))
-    if request.param == "torch":
+    if request.param in ("torch", "triton"):
         monkeypatch.setattr(Sampler, "use_c_kernels", False)
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels on these CPU tensors need TRITON_INTERPRET=1 "
+                        "(on CUDA: tests/engine/test_sampler_triton.py)")
+        monkeypatch.setattr(Sampler, "use_triton_kernels", True)
     return request.param
 
 
@@ -252,7 +275,8 @@ def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monke
     """More values tied with the k-th after the penalties than the general path's merged
     candidates hold: its rows must go the full-row way and draw only from the densely penalized
     rows' kept set (the k-th value and its ties), seen and unseen ids alike. The fused kernel
-    merges every seen value at or above the unseen k-th, so it keeps them all itself."""
+    merges every seen value at or above the unseen k-th, so it keeps them all itself; the Triton
+    path takes its candidates from the densely penalized rows (k + TOP_K_TIE_ROOM of them)."""
     vocab, k, n = 3000, 5, 64
     seen_ids = list(range(100, 100 + sampler_module.MERGED_TIE_ROOM + 40))
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3))
@@ -265,7 +289,7 @@ def test_penalized_ties_wider_than_the_merged_candidates_take_the_full_row(monke
     assert kept == set(seen_ids) | set(range(10, 10 + k))
     full_rows = record_full_rows(monkeypatch)
     drawn = sampler.sample(logits.clone(), batch).token_ids
-    assert sorted(full_rows) == (list(range(n)) if sampler_path != "fused" else [])
+    assert sorted(full_rows) == (list(range(n)) if sampler_path in ("general", "torch") else [])
     assert set(drawn) <= kept and set(drawn) & set(seen_ids) and len(set(drawn)) > n // 2
 
 

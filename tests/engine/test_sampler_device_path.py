@@ -1,9 +1,12 @@
-"""The sampler's torch path, the one GPUs run, makes no host round trip inside `sample`: every
+"""The sampler's device path, the one GPUs run (torch ops, with the draws as Triton kernels on
+CUDA), makes no host round trip inside `sample`: every
 index, parameter and uniform draw is made in `prepare` (whose copies overlap the forward pass),
 and the rows it cannot settle on the device come back as flags with the tokens. On a GPU a
 tensor built from host data there (a blocking copy) or a value read back (`bool`, `item`,
 `nonzero`) is a stream sync, so the test records the ops `sample` dispatches, on CPU tensors,
-and looks for those."""
+and looks for those. The Triton kernels run here through the interpreter."""
+
+import os
 
 import pytest
 import torch
@@ -29,6 +32,19 @@ class RoundTrips(TorchDispatchMode):
         if func in HOST_ROUND_TRIPS:
             self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(params=["torch", "triton"])
+def device_path(request, monkeypatch) -> str:
+    """The device path with its draws as torch ops, and as the Triton kernels CUDA runs."""
+    monkeypatch.setattr(Sampler, "use_c_kernels", False)
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+        monkeypatch.setattr(Sampler, "use_triton_kernels", True)
+    else:
+        monkeypatch.setattr(Sampler, "use_triton_kernels", False)
+    return request.param
 
 
 def batch_of(params: list[SamplingParams]) -> list[Sequence]:
@@ -57,8 +73,7 @@ MIXED = [
     [SamplingParams(temperature=0.0, repetition_penalty=1.2)] * 4,
 ], ids=["mixed", "bench-sampled", "greedy-penalized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sample_makes_no_host_round_trip_on_the_torch_path(monkeypatch, params, dtype):
-    monkeypatch.setattr(Sampler, "use_c_kernels", False)
+def test_sample_makes_no_host_round_trip_on_the_device_path(monkeypatch, device_path, params, dtype):
     vocab = 5000
     sampler = Sampler(vocab)
     batch = sampler.prepare(batch_of(params))
@@ -77,10 +92,9 @@ def test_sample_makes_no_host_round_trip_on_the_torch_path(monkeypatch, params, 
             assert result.token_ids[i] == again[i], i
 
 
-def test_unsettled_rows_still_come_out_right_on_the_torch_path(monkeypatch):
+def test_unsettled_rows_still_come_out_right_on_the_device_path(device_path):
     """Ties past the candidates' room and rows rejected every round: settled after the host has
     the flags, inside the kept set."""
-    monkeypatch.setattr(Sampler, "use_c_kernels", False)
     vocab, n = 3000, 16
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2)) - 5
     logits[:, 100:500] = 2.0  # 400 ties at the top: past k + TOP_K_TIE_ROOM for k = 4
@@ -115,3 +129,20 @@ def test_on_cuda_sample_synchronizes_once(params):
     logprob_copies = 3 if any(p.logprobs is not None for p in params) else 0  # after the tokens: values, ids, top-n
     assert len(syncs) <= 1 + logprob_copies, syncs
     assert all(0 <= t < vocab for t in result.token_ids)
+
+
+# Kernels one sampled step launches with the draws as Triton kernels, at most (bench/sampler.py
+# --launches prints them beside the torch ops': 64, 23 and 60 for these).
+LAUNCH_BUDGET = {"top_p 0.9": 3, "top_k 50": 4, "bench, seeded": 11}
+
+
+@pytest.mark.parametrize("setting", list(LAUNCH_BUDGET))
+def test_the_triton_kernels_launch_a_few_kernels_a_step(setting):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("counted on CPU tensors, through TRITON_INTERPRET=1")
+    from bench.sampler import SETTINGS, count_launches, make_seqs
+
+    vocab, rows = 5000, 8
+    seqs = make_seqs(SamplingParams(**SETTINGS[setting]).resolved(), rows, vocab)
+    ops, kernels = (count_launches(vocab, rows, seqs, triton) for triton in (False, True))
+    assert kernels.total <= LAUNCH_BUDGET[setting] < ops.total, (dict(kernels.torch_ops), dict(kernels.triton))

@@ -31,6 +31,7 @@ import kernels.lora as L  # noqa: E402
 import kernels.norm as N  # noqa: E402
 import kernels.quant_matmul as Q  # noqa: E402
 import kernels.rotary as R  # noqa: E402
+import kernels.sampling as S  # noqa: E402
 
 # Sizes the GPU launchers use (kernels.attention._DECODE_BLOCK_N / _PREFILL_BLOCKS).
 DECODE_BLOCK_N = A._DECODE_BLOCK_N["cuda"]
@@ -118,6 +119,21 @@ def variants():
     yield ("bgmv_expand bf16 rows=192", L._bgmv_expand_kernel,
            dict(y_ptr="*fp32", b_ptr=p, slot_ptr="*i32", out_ptr=p, R=i32, N=i32, stride_y=i32, stride_bl=i32,
                 stride_br=i32, stride_o=i32), dict(BLOCK_N=64, BLOCK_R=256))
+    # The sampler's draws at L's shape: top-k 50 candidates (k + tie room: 306 wide), whole rows of
+    # 151,936 bf16 logits with top-p and min-p.
+    yield ("penalized_values bf16", S._penalties_kernel,
+           dict(logits_ptr=p, rows_ptr="*i64", ids_ptr="*i64", counts_ptr="*fp32", repetition_ptr="*fp32",
+                frequency_ptr="*fp32", presence_ptr="*fp32", out_ptr="*fp32", width=i32, stride_l=i32, stride_i=i32,
+                stride_c=i32, stride_o=i32), dict(HAS_REPETITION=True, HAS_COUNTS=True, BLOCK=1024))
+    yield ("sample_candidates top-p min-p", S._candidates_kernel,
+           dict(values_ptr="*bf16", ids_ptr="*i64", index_ptr="*i64", top_k_ptr="*i64", temperature_ptr="*fp32",
+                top_p_ptr="*fp32", log_min_p_ptr="*fp32", uniform_ptr="*fp64", chosen_ptr="*i64",
+                incomplete_ptr="*i8", width=i32, stride_v=i32, stride_i=i32, stride_u=i32),
+           dict(ALL_CANDIDATES=False, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=512))
+    yield ("sample_whole_rows bf16 top-p min-p", S._whole_rows_kernel,
+           dict(x_ptr=p, index_ptr="*i64", temperature_ptr="*fp32", top_p_ptr="*fp32", log_min_p_ptr="*fp32",
+                uniform_ptr="*fp64", chosen_ptr="*i64", pending_ptr="*i8", vocab=i32, stride_x=i32, stride_u=i32),
+           dict(HAS_TOP_P=True, HAS_MIN_P=True, ROUNDS=3, BLOCK=S.WHOLE_ROW_BLOCK))
 
 
 def main(argv=None) -> int:
