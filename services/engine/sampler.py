@@ -496,25 +496,23 @@ class Sampler:
         if batch.penalties is not None:
             x = self.apply_penalties(x, batch)
         out = torch.zeros_like(x)
-        rows = sorted(batch.top_k_rows + batch.full_rows)  # the sampled rows; the others are greedy
-        greedy = sorted(set(range(batch.num_rows)) - set(rows))
-        if greedy:
-            out[greedy] = torch.nn.functional.one_hot(x[greedy].argmax(dim=-1), x.shape[1]).float()
+        sets = batch.row_sets()
+        if sets.greedy:
+            out.index_copy_(0, sets.greedy.index,
+                            torch.nn.functional.one_hot(sets.greedy.of(x).argmax(dim=-1), x.shape[1]).float())
         if batch.all_greedy:
             return out
-        w = x[rows]
-        w = w.sub_(w.max(dim=-1, keepdim=True).values).div_(batch.temperature[rows]).exp_()  # p / p_max
-        if batch.top_k_rows:
-            ks = torch.zeros(len(rows), 1, dtype=torch.int64, device=w.device)
-            where = {r: j for j, r in enumerate(rows)}
-            ks[[where[r] for r in batch.top_k_rows]] = batch.top_k
+        sampled = batch.row_set(sorted(batch.top_k_rows + batch.full_rows))
+        w = self._unnormalized(sampled.of(x), sampled, batch)  # p / p_max (x is this call's copy)
+        if batch.top_k_rows:  # each sampled row's k (0: off), gathered from the batch's rows
+            ks = torch.zeros(batch.num_rows, 1, dtype=torch.int64, device=w.device)
+            ks = sampled.of(ks.index_copy_(0, sets.top_k.index, batch.top_k))
             kth = w.topk(batch.max_top_k, dim=-1).values.gather(1, (ks - 1).clamp(min=0))
             w.masked_fill_((ks > 0) & (w < kth), 0.0)
         if batch.any_top_p:
-            w.masked_fill_(w < self._top_p_floor(w, batch.top_p[rows]), 0.0)
-        if batch.any_min_p:
-            w.masked_fill_(w < batch.log_min_p[rows].exp(), 0.0)
-        out[rows] = w / w.sum(dim=-1, keepdim=True)
+            w.masked_fill_(w < self._top_p_floor(w, sampled.of(batch.top_p)), 0.0)
+        w = self._min_p(w, sampled, batch)
+        out.index_copy_(0, sampled.index, w / w.sum(dim=-1, keepdim=True))
         return out
 
     @staticmethod
