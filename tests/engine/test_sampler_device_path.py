@@ -131,6 +131,28 @@ def test_on_cuda_sample_synchronizes_once(params):
     assert all(0 <= t < vocab for t in result.token_ids)
 
 
+@pytest.mark.parametrize("params", [
+    MIXED,
+    [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=s) for s in range(8)],
+    [SamplingParams(temperature=0.6 + 0.1 * s, top_p=0.5 + 0.05 * s, min_p=0.01 * (s % 3)) for s in range(8)],
+], ids=["mixed", "bench-sampled", "top-p"])
+def test_the_triton_kernels_draw_what_the_torch_ops_draw(monkeypatch, params):
+    """With the same uniforms (seeded rows' counters; the others' from the same generator), every
+    row draws the same token on both: fp32 logits, so that no ties reorder the candidates, and
+    5,000 tokens, so that no draw lands within rounding of a boundary."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    monkeypatch.setattr(Sampler, "use_c_kernels", False)
+    vocab = 5000
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(6)) * 2
+    tokens = {}
+    for triton in (False, True):
+        monkeypatch.setattr(Sampler, "use_triton_kernels", triton)
+        sampler = Sampler(vocab)
+        tokens[triton] = sampler.sample(logits.clone(), sampler.prepare(batch_of(params))).token_ids
+    assert tokens[True] == tokens[False]
+
+
 # Kernels one sampled step launches with the draws as Triton kernels, at most (bench/sampler.py
 # --launches prints them beside the torch ops': 64, 23 and 60 for these).
 LAUNCH_BUDGET = {"top_p 0.9": 3, "top_k 50": 4, "bench, seeded": 11}
