@@ -1,7 +1,7 @@
 """The sampler's steps on the device (services/engine/sampler.py, off the CPU): one launch for
-the penalized rows' seen values, one for the step's top-k rows, one for its whole rows, where the
-same steps in torch ops take about 6, 20 and 30 launches (each a few microseconds of host time
-while the GPU waits).
+the penalized rows' seen values, one for the step's top-k rows, one for its whole rows, one for
+the logprob rows' log-sum-exp, where the same steps in torch ops take about 6, 20, 30 and 3 per 8
+rows (each launch a few microseconds of host time while the GPU waits).
 
 Both follow the sampler's semantics exactly (its module docstring): the kept set is an
 intersection of thresholds on the scaled logits (top-k: the k-th value, ties kept; top-p: the
@@ -9,6 +9,7 @@ value of the token whose prefix mass crosses top_p, ties kept; min-p: min_p time
 probability), and each draw is one uniform per row and round, read from the step's table.
 Being a different summation order, a draw on a boundary can land one token apart from torch's.
 
+- `log_sum_exp`: each row's log-sum-exp in fp32, one pass over the row in its own dtype.
 - `penalized_values`: the penalized rows' seen ids, gathered from the logits and penalized:
   repetition (transformers), then frequency and presence (OpenAI), in fp32.
 - `sample_candidates`: rows with top-k, from their largest values (one torch topk, sorted
@@ -41,6 +42,38 @@ _U_MAX = tl.constexpr(0.99999994)
 def _at(x, offs, i):
     """x[i] of a 1-D block (-inf when i is outside it)."""
     return tl.max(tl.where(offs == i, x, NEG_INF), 0)
+
+
+@triton.jit
+def _log_sum_exp_kernel(x_ptr, out_ptr, vocab, stride_x, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    x_row = x_ptr + j.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+    # Per lane: the largest value so far and the sum of exp(x - it), rescaled as it grows.
+    top = tl.full([BLOCK], NEG_INF, tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(x_row + start + offs, mask=start + offs < vocab, other=NEG_INF).to(tl.float32)
+        new_top = tl.maximum(top, x)
+        shift = tl.where(new_top == NEG_INF, 0.0, new_top)  # a lane with no finite value yet adds 0, not NaN
+        total = total * tl.exp(top - shift) + tl.exp(x - shift)
+        top = new_top
+    row_top = tl.max(top, 0)
+    shift = tl.where(row_top == NEG_INF, 0.0, row_top)
+    tl.store(out_ptr + j, row_top + tl.log(tl.sum(total * tl.exp(top - shift), 0)))
+
+
+def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """[n] fp32: log(sum(exp(x[j]))) of each row of x ([n, vocab], any float dtype)."""
+    check_device(x)
+    n, vocab = x.shape
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        _log_sum_exp_kernel[(n,)](x, out, vocab, x.stride(0), BLOCK=min(WHOLE_ROW_BLOCK, next_pow2(vocab)),
+                                  num_warps=8)
+    return out
 
 
 @triton.jit

@@ -558,15 +558,19 @@ class Sampler:
         rows only: logprob = logit - logsumexp(row). The rows stay in the model's dtype: on CPU
         one C pass a row gives the log-sum-exp and the top-n; elsewhere only the log-sum-exp is
         computed in fp32, a few rows at a time (a whole [rows, vocab] fp32 log-softmax costs more
-        in memory traffic than the arithmetic)."""
+        in memory traffic than the arithmetic), or in one Triton kernel where the draws are."""
         raw = batch.row_sets().logprobs.of(logits, copy=True)  # `logits` may change before they are read
         k = max(batch.logprob_counts)
         if self.use_c_kernels and cpu_kernels.supports(raw):  # one C pass a row: log-sum-exp and top-k together
             lse, values, ids, _, _ = cpu_kernels.logprob_rows(raw, k)
             return raw, lse, values, ids
-        lse = torch.empty(raw.shape[0], dtype=torch.float32, device=raw.device)
-        for start in range(0, raw.shape[0], Sampler.LSE_ROWS):
-            lse[start:start + Sampler.LSE_ROWS] = torch.logsumexp(raw[start:start + Sampler.LSE_ROWS].float(), dim=-1)
+        if (kernels := self._triton_kernels(raw)) is not None:
+            lse = kernels.log_sum_exp(raw)
+        else:
+            lse = torch.empty(raw.shape[0], dtype=torch.float32, device=raw.device)
+            for start in range(0, raw.shape[0], Sampler.LSE_ROWS):
+                rows = raw[start:start + Sampler.LSE_ROWS]
+                lse[start:start + Sampler.LSE_ROWS] = torch.logsumexp(rows.float(), dim=-1)
         values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return raw, lse, values.float() - lse[:, None], ids
 

@@ -150,3 +150,17 @@ def test_penalized_values_are_the_formulas(dtype):
     got = sampling_kernels().penalized_values(logits, pen.rows, pen.ids, pen.output_counts, pen.repetition,
                                               pen.frequency, pen.presence)
     torch.testing.assert_close(got, Sampler.penalized_values(logits, pen), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's log(0) for the -inf row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_log_sum_exp_is_torchs(dtype):
+    """Rows of two and a half blocks: some masked to a few finite values, one with a large spread."""
+    x = torch.randn(5, 5000, generator=torch.Generator().manual_seed(8)) * 4
+    x[1, 100:] = float("-inf")
+    x[2, :2500] = float("-inf")  # no finite value in the first block's lanes
+    x[3] *= 20
+    x[4] = float("-inf")  # nothing allowed: -inf, as torch
+    x = x.to(dtype)
+    got = sampling_kernels().log_sum_exp(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, torch.logsumexp(x.float(), dim=-1), rtol=1e-5, atol=1e-5)

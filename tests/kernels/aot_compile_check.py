@@ -121,6 +121,8 @@ def variants():
                 stride_br=i32, stride_o=i32), dict(BLOCK_N=64, BLOCK_R=256))
     # The sampler's draws at L's shape: top-k 50 candidates (k + tie room: 306 wide), whole rows of
     # 151,936 bf16 logits with top-p and min-p.
+    yield ("log_sum_exp bf16", S._log_sum_exp_kernel, dict(x_ptr=p, out_ptr="*fp32", vocab=i32, stride_x=i32),
+           dict(BLOCK=S.WHOLE_ROW_BLOCK))
     yield ("penalized_values bf16", S._penalties_kernel,
            dict(logits_ptr=p, rows_ptr="*i64", ids_ptr="*i64", counts_ptr="*fp32", repetition_ptr="*fp32",
                 frequency_ptr="*fp32", presence_ptr="*fp32", out_ptr="*fp32", width=i32, stride_l=i32, stride_i=i32,
