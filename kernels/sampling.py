@@ -69,11 +69,18 @@ def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
     n, vocab = x.shape
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        _log_sum_exp_kernel[(n,)](x, out, vocab, x.stride(0), BLOCK=min(WHOLE_ROW_BLOCK, next_pow2(vocab)),
-                                  num_warps=8)
+        x = _rows_contiguous(x)
+        _log_sum_exp_kernel[(n,)](x, out, vocab, x.stride(0), BLOCK=_row_block(vocab), num_warps=8)
     return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _row_block(vocab: int) -> int:
+    """The block a program looping over a whole row reads at once."""
+    return min(WHOLE_ROW_BLOCK, next_pow2(vocab))
 
 
 @triton.jit
@@ -269,13 +276,12 @@ def sample_whole_rows(x: torch.Tensor, index: torch.Tensor, temperature: torch.T
     n, vocab = x.shape
     pending = torch.empty(n, dtype=torch.int8, device=x.device)
     if n:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        x = _rows_contiguous(x)
         _whole_rows_kernel[(n,)](
             x, index, temperature.view(-1), temperature if top_p is None else top_p.view(-1),
             temperature if log_min_p is None else log_min_p.view(-1), uniforms, chosen, pending,
             vocab, x.stride(0), uniforms.stride(0),
             HAS_TOP_P=top_p is not None, HAS_MIN_P=log_min_p is not None,
             ROUNDS=uniforms.shape[1] if top_p is not None else 1,
-            BLOCK=min(WHOLE_ROW_BLOCK, next_pow2(vocab)), num_warps=8)
+            BLOCK=_row_block(vocab), num_warps=8)
     return pending.bool()
