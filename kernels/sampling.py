@@ -3,11 +3,11 @@ the penalized rows' seen values, one for the step's top-k rows, one for its whol
 the logprob rows' log-sum-exp, where the same steps in torch ops take about 6, 20, 30 and 3 per 8
 rows (each launch a few microseconds of host time while the GPU waits).
 
-Both follow the sampler's semantics exactly (its module docstring): the kept set is an
+The draws follow the sampler's semantics exactly (its module docstring): the kept set is an
 intersection of thresholds on the scaled logits (top-k: the k-th value, ties kept; top-p: the
 value of the token whose prefix mass crosses top_p, ties kept; min-p: min_p times the largest
-probability), and each draw is one uniform per row and round, read from the step's table.
-Being a different summation order, a draw on a boundary can land one token apart from torch's.
+probability), and each draw is one uniform per row and round, read from the step's table. Their
+sums run in another order than torch's, so a draw on a boundary can land one token apart.
 
 - `log_sum_exp`: each row's log-sum-exp in fp32, one pass over the row in its own dtype.
 - `penalized_values`: the penalized rows' seen ids, gathered from the logits and penalized:
