@@ -139,16 +139,18 @@ def test_on_cuda_sample_synchronizes_once(params):
 def test_the_triton_kernels_draw_what_the_torch_ops_draw(monkeypatch, params):
     """With the same uniforms (seeded rows' counters; the others' from the same generator), every
     row draws the same token on both: fp32 logits, so that no ties reorder the candidates, and
-    5,000 tokens, so that no draw lands within rounding of a boundary."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    5,000 tokens, so that no draw lands within rounding of a boundary. On CUDA where there is one
+    (compiled), else through the interpreter."""
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
     monkeypatch.setattr(Sampler, "use_c_kernels", False)
     vocab = 5000
-    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(6)) * 2
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(6)).to(device) * 2
     tokens = {}
     for triton in (False, True):
         monkeypatch.setattr(Sampler, "use_triton_kernels", triton)
-        sampler = Sampler(vocab)
+        sampler = Sampler(vocab, device)
         tokens[triton] = sampler.sample(logits.clone(), sampler.prepare(batch_of(params))).token_ids
     assert tokens[True] == tokens[False]
 
