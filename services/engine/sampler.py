@@ -52,6 +52,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from services.engine import logits_processors
+from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 from services.engine.structured import apply_masks as structured_masks
 
@@ -296,6 +297,27 @@ class Sampler:
         self.generator.manual_seed(0)
         self._f32_buffer: torch.Tensor | None = None
         self.structured = None  # structured.StructuredOutputs: token masks of structured rows
+
+    # The batch-wide variants the Triton kernels compile for (top-p, min-p, each penalty kind), one
+    # batch each, every batch with a top-k row, a whole row and a logprob row.
+    WARM_UP_BATCHES = (dict(top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+                       dict(top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5),
+                       dict(min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5), dict())
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the Triton kernels' variants for logits of this dtype at load where they run
+        (CUDA), rather than in the first steps that meet them (a compile takes seconds; later
+        processes read it from Triton's cache)."""
+        if self._triton_kernels(torch.empty(0, device=self.device)) is None:
+            return
+        rising = torch.linspace(-4, 4, self.vocab_size, device=self.device, dtype=dtype)  # no ties
+        for i, params in enumerate(self.WARM_UP_BATCHES):
+            seqs = [Sequence(f"warm-up-{i}-{j}", [0, 1], SamplingParams(temperature=0.8, top_k=top_k, logprobs=1,
+                                                                        **params).resolved())
+                    for j, top_k in enumerate((50, -1))]
+            for seq in seqs:
+                seq.token_ids.append(2)  # an output token: the output counts of frequency and presence
+            self.sample(rising.expand(len(seqs), -1).clone(), self.prepare(seqs))
 
     # ---- prepare: host, once per step --------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:

@@ -170,3 +170,23 @@ def test_the_triton_kernels_launch_a_few_kernels_a_step(setting):
     seqs = make_seqs(SamplingParams(**SETTINGS[setting]).resolved(), rows, vocab)
     ops, kernels = (count_launches(vocab, rows, seqs, triton) for triton in (False, True))
     assert kernels.total <= LAUNCH_BUDGET[setting] < ops.total, (dict(kernels.torch_ops), dict(kernels.triton))
+
+
+def test_warm_up_compiles_every_variant_of_the_triton_kernels(monkeypatch):
+    """On CUDA the engine's sampler compiles its kernels at load: each launcher runs in every
+    batch-wide variant (top-p and min-p on and off; repetition and frequency/presence penalties;
+    logprobs); nothing runs where the draws are torch ops."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("counted on CPU tensors, through TRITON_INTERPRET=1")
+    from bench.sampler import KernelLaunches
+
+    monkeypatch.setattr(Sampler, "use_c_kernels", False)
+    monkeypatch.setattr(Sampler, "use_triton_kernels", True)
+    with KernelLaunches() as launches:
+        Sampler(2000).warm_up(torch.bfloat16)
+    assert dict(launches.triton) == {"log_sum_exp": 4, "penalized_values": 3, "sample_candidates": 4,
+                                     "sample_whole_rows": 4}
+    monkeypatch.setattr(Sampler, "use_triton_kernels", None)  # CPU: the C kernels, nothing to compile
+    with KernelLaunches() as launches:
+        Sampler(2000).warm_up(torch.bfloat16)
+    assert launches.total == 0
