@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,6 +47,14 @@ def _check_engine_core(value: str, _on_engine: bool = True) -> None:
         raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {value!r}")
 
 
+SAMPLER_BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_sampler_backend(value: str, on_engine: bool = True) -> None:
+    if value not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler_backend must be one of {', '.join(SAMPLER_BACKENDS)}, got {value!r}")
+
+
 @dataclass
 class EngineArgs:
     block_size: int = arg(16, "tokens per KV-cache block (a power of two)")
@@ -63,6 +72,9 @@ class EngineArgs:
                                       "token and KV head")
     device: str = arg("cpu", "cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto (triton on CUDA, torch elsewhere), torch, triton")
+    sampler_backend: str = arg("auto", "the sampler's vocabulary-wide steps: auto (C kernels on CPU, Triton kernels "
+                                       "on CUDA), torch (torch ops everywhere), triton (Triton kernels; on CPU "
+                                       "only under TRITON_INTERPRET=1)", check=_check_sampler_backend)
     gpu_memory_utilization: float = arg(0.9, "share of the GPU's free memory the engine may take")
     activation_reserve_bytes: int = arg(1 << 30, "GPU memory kept free for activations", spec=False)
     cpu_kv_cache_fraction: float = arg(0.25, "share of available RAM for the KV cache on CPU", spec=False)
@@ -221,6 +233,9 @@ def _problems(values: dict[str, Any], cls: type, on_engine: bool) -> list[tuple[
         if values[name] < 1:
             out.append((name, "must be >= 1"))
     out += quantization_support.check(values["quantization"], values["kv_cache_dtype"], values["device"])
+    if (on_engine and values["sampler_backend"] == "triton" and not values["device"].startswith("cuda")
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        out.append(("sampler_backend", "triton needs a CUDA device (or TRITON_INTERPRET=1, the interpreter)"))
     if values["speculative_config"] is not None and values["enable_lora"]:
         # Drafts and verification know nothing of adapters yet.
         out.append(("speculative_config", "not supported together with enable_lora"))

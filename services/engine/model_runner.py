@@ -116,7 +116,7 @@ class ModelRunner:
         self.num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = quantized_kv.allocate(args.kv_cache_dtype, config.num_layers, shape, self.dtype, self.device)
-        self.sampler = Sampler(config.vocab_size, self.device)
+        self.sampler = Sampler(config.vocab_size, self.device, backend=args.sampler_backend)
         self.sampler.warm_up(self.dtype)
         self.model.warm_up(args.max_num_batched_tokens, args.max_num_seqs)
         # Speculative decoding: samples the steps that verify drafts (spec_decode.Verifier).

@@ -287,9 +287,13 @@ class Sampler:
     # device (tests run them on CPU through TRITON_INTERPRET=1); False: torch ops everywhere.
     use_triton_kernels: bool | None = None
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", fused: bool = True):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", fused: bool = True,
+                 backend: str = "auto"):
         """fused: on CPU, sampled rows go through the fused C kernel; False keeps them on the
-        general path (bench/sampler.py compares the two)."""
+        general path (bench/sampler.py compares the two). backend: EngineArgs.sampler_backend
+        (auto: the class's choices; torch: torch ops only; triton: the Triton kernels, no C)."""
+        if backend != "auto":
+            self.use_c_kernels, self.use_triton_kernels = False, backend == "triton"
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.fused = fused

@@ -190,3 +190,25 @@ def test_warm_up_compiles_every_variant_of_the_triton_kernels(monkeypatch):
     with KernelLaunches() as launches:
         Sampler(2000).warm_up(torch.bfloat16)
     assert launches.total == 0
+
+
+def test_the_sampler_backend_engine_argument_picks_the_path(monkeypatch):
+    """sampler_backend: torch runs torch ops even on CPU; triton the Triton kernels, refused on a
+    CPU engine unless the interpreter is on; auto leaves the choice to the device."""
+    from services.engine.config import EngineArgs, EngineArgsError
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        vocab, seqs = 3000, batch_of(MIXED)
+        from bench.sampler import KernelLaunches
+
+        with KernelLaunches() as launches:
+            sampler = Sampler(vocab, backend="triton")
+            sampler.sample(torch.randn(len(seqs), vocab), sampler.prepare(seqs))
+        assert launches.triton["sample_candidates"] == launches.triton["sample_whole_rows"] == 1
+    torch_ops, auto = Sampler(100, backend="torch"), Sampler(100)
+    assert (torch_ops.use_c_kernels, torch_ops.use_triton_kernels) == (False, False)
+    assert (auto.use_c_kernels, auto.use_triton_kernels) == (True, None)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(EngineArgsError, match="sampler_backend: triton needs a CUDA device"):
+        EngineArgs(sampler_backend="triton")
+    assert EngineArgs(sampler_backend="triton", device="cuda").sampler_backend == "triton"

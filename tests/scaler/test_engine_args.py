@@ -173,6 +173,7 @@ def test_the_engine_refuses_arguments_that_cannot_run_naming_them_before_loading
     ({"max_loras": 4, "max_cpu_loras": 2}, "engine.max_cpu_loras", "must be >= max_loras (4)"),
     ({"enable_lora": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "engine.speculative_config", "not supported together with enable_lora"),
+    ({"sampler_backend": "cuda"}, "engine.sampler_backend", "must be one of auto, torch, triton"),
 ])
 def test_a_spec_is_refused_for_what_the_engine_would_refuse_at_start(tiny_model_dir, engine, field, reason):
     """The spec runs the engine's own checks (of one argument and across arguments)."""
