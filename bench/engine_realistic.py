@@ -393,6 +393,7 @@ def run_shape(key: str, sizes: Sizes, runners: list[str], skipped: dict[str, str
     workloads, warmup = make_workloads(sizes, regular_token_ids(model_dir), max_model_len, args.seed)
     modes = {m: MODES[m] for m in args.modes}
     job = {"model": str(model_dir), "threads": args.threads, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
+           "sampler_backend": args.strata_sampler_backend,
            "max_num_seqs": max(64, *sizes.decode_batches), "max_num_batched_tokens": args.max_num_batched_tokens,
            "max_model_len": max_model_len, "modes": modes, "workloads": workloads, "warmup": warmup,
            "run_timeout_s": args.run_timeout, "vllm_enforce_eager": args.vllm_enforce_eager, "device": args.device}
@@ -694,6 +695,8 @@ def main() -> None:
                              "CPU build runs by default, where the CPU has bf16 instructions; else fp32, as "
                              "Strata's dtype=auto: there bf16 matmuls are emulated, several times slower)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache for every runner (GiB)")
+    parser.add_argument("--strata-sampler-backend", default="auto", choices=("auto", "torch", "triton"),
+                        help="Strata's sampler_backend engine argument (torch: its sampler in torch ops, an A/B)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, help="throughput requests (default: per shape)")
     parser.add_argument("--prompt-len", type=parse_pair, help="MIN,MAX prompt tokens of the throughput workload")

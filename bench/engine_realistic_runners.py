@@ -41,7 +41,7 @@ class StrataRunner:
         self.llm = LLM(job["model"], device=job["device"], max_num_seqs=job["max_num_seqs"],
                        max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
                        enable_prefix_caching=False, dtype=job["dtype"], num_threads=job["threads"],
-                       block_size=block_size, num_kv_blocks=blocks)
+                       block_size=block_size, num_kv_blocks=blocks, sampler_backend=job["sampler_backend"])
         self.modes, self.warmup_prompts = job["modes"], job["warmup"]
         self.notes = [f"{blocks * block_size} KV tokens"]
 

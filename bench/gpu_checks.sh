@@ -4,7 +4,8 @@
 #      Triton path, the sampler's Triton kernels), then bench/sampler.py on the GPU: the sampler's
 #      device path with its draws as torch ops against the Triton kernels;
 #   2. bench/engine_realistic.py on the GPU in bf16: Strata vs transformers generate (static batches) vs
-#      transformers' continuous batching (vLLM's CPU build does not run there);
+#      transformers' continuous batching (vLLM's CPU build does not run there); then M's sampled points
+#      again with Strata's sampler in torch ops (--strata-sampler-backend torch), the A/B of its Triton kernels;
 #   3. the Triton kernels' tests on CUDA, in the time that is left.
 #
 #   bench/gpu_checks.sh OUT_DIR [quick|full] [TOKENIZERS_DIR]
@@ -12,8 +13,8 @@
 # quick: the M shape at the bench's --quick sizes; full: M and L at its full sizes, three runs of
 # each point. TOKENIZERS_DIR: tokenizers shared/realistic_models.py trained elsewhere (its
 # STRATA_HOME/tokenizers), so that the GPU machine does not spend its minutes training them.
-# Each part has a time limit (TESTS_S, SAMPLER_S, BENCH_S, KERNELS_S seconds) and a failure does not stop the
-# next. Everything lands in OUT_DIR (10 files).
+# Each part has a time limit (TESTS_S, SAMPLER_S, BENCH_S, AB_S, KERNELS_S seconds) and a failure does not stop the
+# next. Everything lands in OUT_DIR (12 files).
 set -uo pipefail
 out=${1:?usage: bench/gpu_checks.sh OUT_DIR [quick|full] [TOKENIZERS_DIR]}
 size=${2:-quick}
@@ -48,6 +49,11 @@ if [ "$size" = quick ]; then shapes=(--shapes M --quick); else shapes=(--shapes 
 timeout "${BENCH_S:-360}" $py bench/engine_realistic.py --device cuda --dtype bfloat16 "${shapes[@]}" \
   --runners strata,hf-static,hf-cb --threads 8 --kv-cache-gib 16 --quiet-wait 0 --noise-budget 0 \
   --out "$out/engine_realistic_gpu.json" --png "$out/engine_realistic_gpu.png" 2>&1 | tee "$out/bench.log"
+if [ "$size" = quick ]; then ab=(--quick); else ab=(--repeats 3 --decode-tokens 64); fi
+timeout "${AB_S:-120}" $py bench/engine_realistic.py --device cuda --dtype bfloat16 --shapes M --modes sampled "${ab[@]}" \
+  --runners strata --strata-sampler-backend torch --threads 8 --kv-cache-gib 16 --quiet-wait 0 --noise-budget 0 \
+  --out "$out/engine_realistic_gpu_torch_sampler.json" --png "$out/engine_realistic_gpu_torch_sampler.png" 2>&1 \
+  | tee -a "$out/bench.log"
 # The runners' own logs, kept by the bench when a runner failed.
 tail -n 40 /tmp/engine_realistic_*/*.log > "$out/runner_logs.txt" 2>/dev/null
 
