@@ -30,7 +30,7 @@ that same copy and are settled after it, exactly, on the slow path. On a GPU eac
 `bool(tensor)` mid-sample is a stream sync that leaves it idle while the host launches the next op.
 On CUDA the penalties' gather and the draws are Triton kernels (kernels/sampling.py): the top-k
 rows' candidates come from the densely penalized fp32 rows (cheap there), and a sampled step
-launches about 11 kernels where the same in torch ops takes about 60 (bench/sampler.py --launches).
+launches about 9 kernels where the same in torch ops takes about 60 (bench/sampler.py --launches).
 
 Before any of that, the rows with logits processors (logit_bias, allowed_token_ids, bad_words,
 min_tokens: services/engine/logits_processors.py) get them, then the rows with penalties theirs.
@@ -439,7 +439,8 @@ class Sampler:
         candidates). Penalties touch only the ids a row has seen: their penalized values are
         kept aside in fp32 and the ids masked in `logits`, so the vocabulary-wide passes read the
         rest as it is and take the seen ids from the side; only rows sampled over the whole
-        vocabulary get an fp32 copy."""
+        vocabulary get an fp32 copy. (With the Triton kernels every penalized row is read from an
+        fp32 copy with its penalized values in place: cheap on a GPU, and fewer launches.)"""
         logits = logits[:, :self.vocab_size]
         logprob_rows = self._logprobs(logits, batch) if batch.logprob_rows else None
         if batch.processors is not None:  # in place, in the logits' dtype (`logits` may be overwritten)
@@ -454,8 +455,9 @@ class Sampler:
         seen = None  # the rows left for the general path
         if (pen := rest.penalties) is not None:
             seen = self._penalized_values(logits, pen)
-            # A device scalar: a Python one is wrapped from host data (the test of this path counts those).
-            logits.index_put_((pen.rows.view(-1, 1), pen.ids), logits.new_full((), NEG_INF))
+            if self._triton_kernels(logits) is None:
+                # A device scalar: a Python one is wrapped from host data (the test of this path counts those).
+                logits.index_put_((pen.rows.view(-1, 1), pen.ids), logits.new_full((), NEG_INF))
         chosen, unsettled = self._draw(logits, rest, seen, chosen)
         # The step's one device-to-host copy: the tokens and the flags of the rows left unsettled.
         flags = unsettled.flags()
