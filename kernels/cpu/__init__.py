@@ -99,6 +99,9 @@ def _build() -> ctypes.CDLL | None:
     lib.strata_blocked_linear_available.restype, lib.strata_blocked_linear_available.argtypes = i, []
     lib.strata_blocked_linear_bf16.restype = i  # kernels/cpu/blocked_linear.py
     lib.strata_blocked_linear_bf16.argtypes = [p, n, n, n, p, n, p, p, n, i, i]
+    lib.strata_blocked_linear_f32_available.restype, lib.strata_blocked_linear_f32_available.argtypes = i, []
+    lib.strata_blocked_linear_f32.restype = i
+    lib.strata_blocked_linear_f32.argtypes = [p, n, n, n, p, n, p, p, n, i]
     lib.strata_counter_uniform.restype = ctypes.c_double
     lib.strata_counter_uniform.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64]
     return lib

@@ -1,4 +1,6 @@
-/* bf16 linear layers on CPUs with AVX512-BF16: y = x W^T (+ bias), W read in a blocked layout.
+/* Linear layers over bf16 weights in a blocked layout: y = x W^T (+ bias). bf16 activations on CPUs
+ * with AVX512-BF16 (strata_blocked_linear_bf16); fp32 activations on CPUs with AVX2 and FMA
+ * (strata_blocked_linear_f32, at the end of this file).
  *
  * oneDNN's packed matmul pays about 20 us a call before any arithmetic (dispatch, primitive
  * lookup) and reads its layout at 15-25 GB/s for one row; a decode step at batch 1 is a few dozen
@@ -37,13 +39,25 @@ int strata_blocked_linear_available(void)
 #endif
 }
 
-#if defined(__AVX512BF16__)
+int strata_blocked_linear_f32_available(void)
+{
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
 #define LANES 16
-#define MT 4          /* rows of x per tile */
-#define NT 4          /* blocks of 16 channels per tile */
+#define NT 4          /* blocks of 16 channels per work item (and per bf16 tile) */
 #define ROW_CHUNK 256 /* rows per work item: x's share of a chunk stays in L2/L3 */
+
+#if defined(__AVX512BF16__)
+#define MT 4          /* rows of x per tile */
 
 enum { PLAIN = 0, GATED = 1, GATED_SWIGLU = 2 };  /* kernels/cpu/blocked_linear.py's modes */
 
@@ -136,6 +150,112 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
 #else
     (void)x; (void)M; (void)K; (void)x_stride; (void)w; (void)N; (void)bias; (void)y; (void)y_stride;
     (void)num_threads; (void)mode;
+    return -1;
+#endif
+}
+
+/* fp32 activations over the same layout (strata_blocked_linear_f32), for CPUs without bf16
+ * instructions that run a model in fp32 whose weights are bf16 values (a bf16 checkpoint upcast:
+ * the weights lose nothing held as bf16). The products are the fp32 products of the upcast
+ * weights; what it saves is half the weight bytes a step reads, which bound decode at small
+ * batches. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in its high half, so
+ * w << 16 and w & 0xffff0000 are the two fp32 weights: two integer ops per 8 channels and pair.
+ *
+ * Tiles (AVX2, 16 registers): R rows by B blocks of 16 channels, R * B <= 4: 8 accumulators,
+ * 4 weight vectors and the two broadcast inputs. Within a group of 4 blocks, a block's slice of
+ * W (K / 2 x 64 bytes) is read by every tile of rows in turn while it sits in L1/L2. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define F32_ROWS 4 /* rows of x per tile at most; R * B <= 4 */
+
+static inline __attribute__((always_inline)) void tile_f32(const int rows, const int blocks, const float *x,
+                                                           long x_stride, long pairs, const uint32_t *w,
+                                                           long block_words, const float *bias, int valid,
+                                                           float *y, long y_stride)
+{
+    __m256 acc[F32_ROWS][4][2];
+    for (int b = 0; b < blocks; b++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 start = bias ? _mm256_loadu_ps(bias + b * LANES + 8 * h) : _mm256_setzero_ps();
+            for (int m = 0; m < rows; m++) acc[m][b][h] = start;
+        }
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (long p = 0; p < pairs; p++) {
+        __m256 even[4][2], odd[4][2];
+        for (int b = 0; b < blocks; b++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i words = _mm256_loadu_si256((const __m256i *)(w + b * block_words + p * LANES + 8 * h));
+                even[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+                odd[b][h] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+            }
+        for (int m = 0; m < rows; m++) {
+            const __m256 xe = _mm256_broadcast_ss(x + m * x_stride + 2 * p);
+            const __m256 xo = _mm256_broadcast_ss(x + m * x_stride + 2 * p + 1);
+            for (int b = 0; b < blocks; b++)
+                for (int h = 0; h < 2; h++)
+                    acc[m][b][h] = _mm256_fmadd_ps(odd[b][h], xo, _mm256_fmadd_ps(even[b][h], xe, acc[m][b][h]));
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int b = 0; b < blocks; b++) {
+            float *dst = y + m * y_stride + b * LANES;
+            if (b < blocks - 1 || valid == LANES) {
+                _mm256_storeu_ps(dst, acc[m][b][0]);
+                _mm256_storeu_ps(dst + 8, acc[m][b][1]);
+            } else {
+                float out[LANES];
+                _mm256_storeu_ps(out, acc[m][b][0]);
+                _mm256_storeu_ps(out + 8, acc[m][b][1]);
+                memcpy(dst, out, (size_t)valid * sizeof *out);
+            }
+        }
+}
+
+#define TILE_F32_CASE(R, B) \
+    case (R) * 8 + (B): tile_f32(R, B, x, x_stride, pairs, w, block_words, bias, valid, y, y_stride); return;
+static void tile_f32_dispatch(int rows, int blocks, const float *x, long x_stride, long pairs, const uint32_t *w,
+                              long block_words, const float *bias, int valid, float *y, long y_stride)
+{
+    switch (rows * 8 + blocks) {
+        TILE_F32_CASE(1, 1) TILE_F32_CASE(1, 2) TILE_F32_CASE(1, 3) TILE_F32_CASE(1, 4)
+        TILE_F32_CASE(2, 1) TILE_F32_CASE(2, 2) TILE_F32_CASE(3, 1) TILE_F32_CASE(4, 1)
+    }
+}
+#endif
+
+/* x: [M][K] fp32, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight (mode
+ * PLAIN); bias: fp32 [N padded to 16] or NULL; y: [M][N] fp32, rows y_stride apart. Returns 0;
+ * -1 where this CPU has no AVX2 and FMA (the caller checked _f32_available first). */
+int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, const uint32_t *w, long N,
+                              const float *bias, float *y, long y_stride, int num_threads)
+{
+#if defined(__AVX2__) && defined(__FMA__)
+    const long pairs = K / 2, block_words = pairs * LANES;
+    const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
+    const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
+    /* rows per tile: 4 rows of one block, or fewer rows (the last ones, or a small batch) over
+     * more blocks, so a small batch still has 8 sums in flight */
+    const int tile_rows = M >= F32_ROWS ? F32_ROWS : (int)M;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if(items > 1)
+    for (long item = 0; item < items; item++) {
+        const long g = item / chunks, chunk = item % chunks;
+        const long g0 = g * NT, g_blocks = n_blocks - g0 < NT ? n_blocks - g0 : NT;
+        const long r_end = (chunk + 1) * ROW_CHUNK < M ? (chunk + 1) * ROW_CHUNK : M;
+        const int step = F32_ROWS / tile_rows; /* blocks per tile */
+        for (long b0 = g0; b0 < g0 + g_blocks; b0 += step) {
+            const long blocks = g0 + g_blocks - b0 < step ? g0 + g_blocks - b0 : step;
+            const long last = N - (b0 + blocks - 1) * LANES;
+            for (long r = chunk * ROW_CHUNK; r < r_end; r += tile_rows) {
+                const int rows = r_end - r < tile_rows ? (int)(r_end - r) : tile_rows;
+                tile_f32_dispatch(rows, (int)blocks, x + r * x_stride, x_stride, pairs, w + b0 * block_words,
+                                  block_words, bias ? bias + b0 * LANES : NULL, last < LANES ? (int)last : LANES,
+                                  y + r * y_stride + b0 * LANES, y_stride);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)x_stride; (void)w; (void)N; (void)bias; (void)y; (void)y_stride;
+    (void)num_threads;
     return -1;
 #endif
 }

@@ -1,10 +1,13 @@
-"""bf16 linear layers on CPUs with AVX512-BF16: the blocked weight layout and the call into
+"""Linear layers over bf16 weights in a blocked layout: the layout and the calls into
 kernels/cpu/blocked_linear.c (see its header for the layout, the tiles and why).
 
-`pack` lays a weight out once, at load; `linear` runs y = x W^T (+ bias) on it. `available`
-says whether this CPU and build run it (else callers keep oneDNN's packed matmul). A fused
-gate/up weight packed with `swiglu=True` also runs `swiglu`: silu(x G^T) * (x U^T) in the same
-pass, the activation applied to the product's tiles while they are in registers.
+`pack` lays a weight out once, at load; `linear` runs y = x W^T (+ bias) on it:
+- bf16 activations on CPUs with AVX512-BF16 (`available`; else callers keep oneDNN's packed
+  matmul). A fused gate/up weight packed with `swiglu=True` also runs `swiglu`: silu(x G^T) *
+  (x U^T) in the same pass, the activation applied to the product's tiles while in registers.
+- fp32 activations on CPUs with AVX2 and FMA (`available_f32`), for an fp32 model whose weights
+  are bf16 values (`bf16_exact`: a bf16 checkpoint upcast): the same products as fp32 weights,
+  from half the bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ PLAIN, GATED, GATED_SWIGLU = 0, 1, 2  # the kernel's modes (blocked_linear.c)
 def available() -> bool:
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.strata_blocked_linear_available())
+
+
+def available_f32() -> bool:
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.strata_blocked_linear_f32_available())
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """An fp32 weight every value of which is a bf16 value (its low 16 bits zero): held as bf16,
+    it loses nothing."""
+    return weight.dtype == torch.float32 and not (weight.view(torch.int32) & 0xFFFF).any().item()
 
 
 def packable(weight: torch.Tensor, swiglu: bool = False) -> bool:
@@ -73,7 +87,8 @@ def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
-    """x [..., K] bf16 (CPU) -> [..., N] bf16 (for a swiglu weight, [gate | up] as it came)."""
+    """x [..., K] bf16 (CPU) -> [..., N] bf16 (for a swiglu weight, [gate | up] as it came); or
+    x fp32 -> [..., N] fp32 (a weight packed without swiglu)."""
     return _run(x, weight, GATED if weight.swiglu else PLAIN, weight.out_features)
 
 
@@ -86,20 +101,23 @@ def swiglu(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
 
 
 def _run(x: torch.Tensor, weight: BlockedWeight, mode: int, width: int) -> torch.Tensor:
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"a blocked linear takes bf16 CPU activations, got {x.dtype} on {x.device}")
+    fp32 = x.dtype == torch.float32 and mode == PLAIN
+    if not (x.dtype == torch.bfloat16 or fp32) or x.device.type != "cpu":
+        raise ValueError("a blocked linear takes bf16 CPU activations, or fp32 ones for a weight packed without "
+                         f"swiglu; got {x.dtype} on {x.device}")
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"a blocked linear of {weight.in_features} inputs got {x.shape[-1]}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], width), dtype=torch.bfloat16)
+    out = torch.empty((x2.shape[0], width), dtype=x.dtype)
     if x2.shape[0]:
-        rc = cpu_kernels.load().strata_blocked_linear_bf16(
-            x2.data_ptr(), x2.shape[0], weight.in_features, x2.stride(0), weight.words.data_ptr(),
-            weight.out_features, None if weight.bias is None else weight.bias.data_ptr(), out.data_ptr(),
-            width, torch.get_num_threads(), mode)
+        lib = cpu_kernels.load()
+        bias = None if weight.bias is None else weight.bias.data_ptr()
+        args = (x2.data_ptr(), x2.shape[0], weight.in_features, x2.stride(0), weight.words.data_ptr(),
+                weight.out_features, bias, out.data_ptr(), width, torch.get_num_threads())
+        rc = lib.strata_blocked_linear_f32(*args) if fp32 else lib.strata_blocked_linear_bf16(*args, mode)
         if rc != 0:
             raise RuntimeError(f"blocked linear (CPU) failed with code {rc}")
     return out.view(*lead, width)

@@ -7,6 +7,11 @@ is not kept:
   1.2-1.9x faster than oneDNN's packed matmul and 4 rows 1.1-1.4x; from 16 rows to prefill
   chunks both are within a few percent (bench/blocked_linear.py). Rows need no padding to
   shape buckets.
+- fp32 whose values are all bf16 (a bf16 checkpoint run in fp32, as on CPUs without bf16
+  instructions), with the AVX2 kernel: oneDNN's layout for calls of more than SMALL_CALL_ROWS
+  rows, and the same values as bf16 in the blocked layout for the calls up to that (decode):
+  those read half the bytes and run 1.2-3.5x faster at 1-16 rows, where from 32 rows on oneDNN
+  is as fast or faster (bench/blocked_linear.py --fp32). Both are held: 1.5x the fp32 weight's bytes.
 - otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
   vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
@@ -25,6 +30,10 @@ from kernels.cpu import blocked_linear
 # The batch size oneDNN tunes the packed layout for (as vLLM's CPU backend does): good from
 # decode batches to prefill chunks.
 PACK_BATCH_HINT = 32
+# The most rows an fp32 call runs on a weight's bf16 blocked copy (layout "onednn+blocked"):
+# in bench/blocked_linear.py --fp32 the engine's decode at M ran 1.1x faster that way at 16 rows,
+# 0.88x at 32 (the kernel alone: 0.97-1.2x oneDNN's at 32 rows, 0.85-1.05x at 64).
+SMALL_CALL_ROWS = 16
 
 
 def row_bucket(rows: int) -> int:
@@ -53,10 +62,16 @@ def cpu_prepacking_available(dtype: torch.dtype) -> bool:
 
 def cpu_layout(weight: torch.Tensor) -> str:
     """The layout a CPU weight is held in: "blocked" (Strata's bf16 kernel), "onednn" (oneDNN's
-    packed matmul) or "plain" (F.linear)."""
+    packed matmul), "onednn+blocked" (an fp32 weight of bf16 values: oneDNN's layout, and the
+    bf16 values blocked for calls of up to SMALL_CALL_ROWS rows) or "plain" (F.linear)."""
     if blocked_linear.packable(weight) and blocked_linear.available():
         return "blocked"
-    return "onednn" if cpu_prepacking_available(weight.dtype) else "plain"
+    if not cpu_prepacking_available(weight.dtype):
+        return "plain"
+    if (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+            and blocked_linear.available_f32() and blocked_linear.bf16_exact(weight)):
+        return "onednn+blocked"
+    return "onednn"
 
 
 class Linear:
@@ -71,9 +86,13 @@ class Linear:
             prepack = weight.device.type == "cpu"
         self.layout = cpu_layout(weight) if prepack else "plain"
         self.fuses_swiglu = swiglu and self.layout == "blocked" and blocked_linear.packable(weight, swiglu=True)
-        self.blocked = blocked_linear.pack(weight, bias, self.fuses_swiglu) if self.layout == "blocked" else None
+        self.blocked = None  # the blocked layout: every call ("blocked"), or the small ones
+        if self.layout == "blocked":
+            self.blocked = blocked_linear.pack(weight, bias, self.fuses_swiglu)
+        elif self.layout == "onednn+blocked":
+            self.blocked = blocked_linear.pack(weight.bfloat16(), bias)  # the bias stays fp32 there
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-                       if self.layout == "onednn" else None)
+                       if self.layout.startswith("onednn") else None)
         self.weight = weight if self.layout == "plain" else None
         self.bias = None if self.layout == "blocked" else bias  # the blocked kernel holds it, in fp32
 
@@ -81,10 +100,10 @@ class Linear:
     def wants_row_buckets(self) -> bool:
         """Whether calls should come at bucketed row counts (linear.row_bucket): oneDNN builds a
         primitive per shape; the blocked kernel and F.linear take any count as it is."""
-        return self.layout == "onednn"
+        return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None:
+        if self.blocked is not None and (self.packed is None or x.numel() <= SMALL_CALL_ROWS * self.in_features):
             return blocked_linear.linear(x, self.blocked)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -100,8 +119,9 @@ class Linear:
     @property
     def nbytes(self) -> int:
         """Bytes the weight (and bias) occupy as held."""
-        if self.blocked is not None:
+        if self.layout == "blocked":
             return self.blocked.nbytes
         held = torch.ops.mkldnn._nbytes(self.packed) if self.packed is not None \
             else self.weight.numel() * self.weight.element_size()
+        held += 0 if self.blocked is None else self.blocked.nbytes
         return held + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

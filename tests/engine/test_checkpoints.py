@@ -10,8 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from kernels.cpu import blocked_linear
 from services.engine import LLM, SamplingParams
 from services.engine.checkpoint import INDEX_FILE
+from services.engine.linear import cpu_prepacking_available
+from services.engine.model import LAYER_LINEARS
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import cpu_has_native_bf16
 from tests.engine.conftest import HFReference
@@ -42,6 +45,7 @@ def greedy_matches_transformers(model_dir, n=12):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf.greedy(prompt, n), f"prompt of {len(prompt)} tokens"
+    return llm
 
 
 def test_sharded_bf16_checkpoint_matches_transformers_fp32(tmp_path, tiny_model_dir):
@@ -54,7 +58,12 @@ def test_sharded_bf16_checkpoint_matches_transformers_fp32(tmp_path, tiny_model_
     # A stray file beside the shards must not be read: the index says which files hold weights.
     save_file({"junk": torch.zeros(3)}, str(model_dir / "consolidated.safetensors"))
     assert ModelConfig.load(model_dir).torch_dtype == "bfloat16"
-    greedy_matches_transformers(model_dir)
+    llm = greedy_matches_transformers(model_dir)
+    # run in fp32, the bf16 values are held twice where the AVX2 kernel runs: decode on the bf16 copy
+    expected = "onednn+blocked" if blocked_linear.available_f32() and cpu_prepacking_available(torch.float32) else None
+    if expected:
+        model = llm.engine.runner.model
+        assert {model.lm_head.layout} | {getattr(model.layers[0], n).layout for n in LAYER_LINEARS} == {expected}
 
 
 def test_weights_without_the_model_prefix_load(tmp_path, tiny_model_dir):

@@ -1,0 +1,97 @@
+"""The blocked kernel's fp32 path (kernels/cpu/blocked_linear.c, strata_blocked_linear_f32): fp32
+activations over bf16 weights in the blocked layout, against a float64 matmul of the same values;
+every tile shape (1-4 rows by 1-4 blocks, a partial last block), row chunks, strided inputs, the
+bias; and the layer that holds an fp32 weight of bf16 values in both layouts ("onednn+blocked")."""
+
+import pytest
+import torch
+
+from kernels.cpu import blocked_linear
+from services.engine import linear as linear_module
+from services.engine.linear import Linear, cpu_layout
+
+pytestmark = pytest.mark.skipif(not blocked_linear.available_f32(), reason="no AVX2 and FMA on this CPU (or no C compiler)")
+
+
+def bf16_valued(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).bfloat16().float()
+
+
+def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """got is x w^T (+ bias) in fp32 sums: within a few fp32 steps of the sum of |terms|."""
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs().t() + (0 if bias is None else bias.double().abs())
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= 8 * torch.finfo(torch.float32).eps * scale + 1e-30).all()
+
+
+# (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
+# group of 4 (N = 64 + 16, + 33, + 48); rows 1-3 (tiles over 4, 2 and 1 blocks), 4-9 (4-row tiles
+# and every remainder), 300 rows (two chunks of 256); K of 2 (one pair).
+SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
+          (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8)]
+
+
+@pytest.mark.parametrize("n,k,rows", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_a_float64_matmul_of_the_same_values(n, k, rows, with_bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = bf16_valued(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None  # any fp32 bias: the kernel holds it in fp32
+    x = torch.randn(rows, k, generator=g)
+    out = blocked_linear.linear(x, blocked_linear.pack(w.bfloat16(), bias))
+    assert_fp32_product(out, x, w, bias)
+
+
+def test_strided_and_batched_inputs_and_any_thread_count_give_the_same_bits():
+    g = torch.Generator().manual_seed(1)
+    w, bias = bf16_valued(136, 64, generator=g), torch.randn(136, generator=g)
+    packed = blocked_linear.pack(w.bfloat16(), bias)
+    x = torch.randn(11, 96, generator=g)[:, 16:80]  # rows 96 apart: read in place
+    out = blocked_linear.linear(x, packed)
+    assert_fp32_product(out, x, w, bias)
+    assert torch.equal(blocked_linear.linear(x.contiguous(), packed), out)
+    assert torch.equal(blocked_linear.linear(x.contiguous().view(1, 11, 64), packed), out.view(1, 11, 136))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(blocked_linear.linear(x, packed), out)  # one tile computes each output
+    finally:
+        torch.set_num_threads(threads)
+    assert blocked_linear.linear(x[:0], packed).shape == (0, 136)
+
+
+def test_fp32_activations_need_a_weight_packed_without_swiglu():
+    fused = blocked_linear.pack(torch.randn(64, 32).bfloat16(), swiglu=True)
+    with pytest.raises(ValueError, match="without swiglu"):
+        blocked_linear.linear(torch.randn(2, 32), fused)
+    with pytest.raises(ValueError, match="float16"):
+        blocked_linear.linear(torch.randn(2, 32).half(), blocked_linear.pack(torch.randn(16, 32).bfloat16()))
+
+
+def test_bf16_exact_reads_the_low_bits():
+    w = torch.randn(8, 8).bfloat16().float()
+    assert blocked_linear.bf16_exact(w)
+    w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(10.0))  # one value off the bf16 grid
+    assert not blocked_linear.bf16_exact(w)
+    assert not blocked_linear.bf16_exact(torch.randn(8, 8).bfloat16())  # not fp32
+
+
+@pytest.mark.skipif(not linear_module.cpu_prepacking_available(torch.float32), reason="no oneDNN in this torch")
+def test_the_layer_runs_small_calls_on_the_bf16_copy_and_large_ones_on_onednn():
+    g = torch.Generator().manual_seed(2)
+    w, bias = bf16_valued(48, 32, generator=g), torch.randn(48, generator=g)
+    layer = Linear(w, bias)
+    assert layer.layout == "onednn+blocked" and layer.wants_row_buckets and layer.weight is None
+    assert layer.nbytes == torch.ops.mkldnn._nbytes(layer.packed) + 48 * 32 * 2 + 48 * 4 + 48 * 4
+    onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")  # noqa: E731
+    for rows in (1, 5, linear_module.SMALL_CALL_ROWS, linear_module.SMALL_CALL_ROWS + 8):
+        x = torch.randn(rows, 32, generator=g)
+        out = layer(x)
+        assert_fp32_product(out, x, w, bias)
+        small = rows <= linear_module.SMALL_CALL_ROWS
+        assert torch.equal(out, blocked_linear.linear(x, layer.blocked) if small else onednn(x))
+    # fp32 values off the bf16 grid, or an odd K: oneDNN's layout alone
+    assert cpu_layout(torch.randn(48, 32, generator=g)) == "onednn"
+    assert cpu_layout(bf16_valued(48, 31, generator=g)) == "onednn"
+    assert Linear(w, prepack=False).layout == "plain"
