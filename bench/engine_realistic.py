@@ -724,8 +724,9 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--seed", type=int, default=0, help="prompts and lengths")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_realistic.json"))
-    parser.add_argument("--png", default=str(ROOT / "bench" / "results" / "engine_realistic.png"))
+    parser.add_argument("--png", help="default: --out's path with .png")
     args = parser.parse_args()
+    args.png = args.png or str(Path(args.out).with_suffix(".png"))
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         parser.error("--threads and --repeats must be >= 1")
     if args.dtype == "auto":
