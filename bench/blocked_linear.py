@@ -3,6 +3,12 @@
 packed matmul (what services.engine.linear used before, and what vLLM's CPU backend runs), on the
 linear shapes of bench/engine_realistic.py's M and L models.
 
+--fp32: the same for an fp32 model of bf16 weights (a bf16 checkpoint run in fp32, as on CPUs
+without bf16 instructions): the kernel's fp32 path (fp32 activations, the weights' bf16 values
+blocked; AVX2 and FMA) beside oneDNN's fp32 packed matmul; and the engine (--engine) in fp32
+with its linears in oneDNN's layout alone, and as it runs (layout "onednn+blocked": calls of up
+to linear.SMALL_CALL_ROWS rows on the bf16 copy).
+
 Kernel: for each shape and row count, both layouts of the same weights, called in turn (rounds
 alternate, the best of --rounds counts); enough copies of each weight that every call reads it
 from memory, as a decode step does (a model's weights are larger than the L3). GFLOP/s, and at
@@ -19,6 +25,8 @@ kernel does not run: the script says so.
     python bench/blocked_linear.py                       # kernel, 2 threads: bench/results/blocked_linear.json/png
     python bench/blocked_linear.py --engine M,L          # and the engine, decode b1/b32 and a 2048-token prefill
     python bench/blocked_linear.py --shapes "" --engine M,L --out bench/results/blocked_linear_engine.json
+    python bench/blocked_linear.py --fp32 --engine M,L --engine-batches 1,4,16,32 --prefill-len 512
+                                                         # bench/results/blocked_linear_fp32.json/png
 """
 
 from __future__ import annotations
@@ -46,13 +54,16 @@ SHAPES = {"M": [(1024, 512), (512, 512), (2816, 512), (512, 1408), (32000, 512)]
 MODEL_DIRS = {"M": "bench-llama-m", "L": "bench-qwen2-l"}
 
 
-def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float) -> dict:
+def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float, fp32: bool = False) -> dict:
+    """fp32: fp32 activations, oneDNN's layout of the fp32 weight against the blocked bf16 values."""
+    dtype = torch.float32 if fp32 else torch.bfloat16
     copies = max(2, int(budget_bytes // (n * k * 2)))
     plain = [torch.randn(n, k).bfloat16() for _ in range(copies)]
-    layouts = {"onednn": [torch.ops.mkldnn._reorder_linear_weight(w, linear_module.PACK_BATCH_HINT) for w in plain],
+    layouts = {"onednn": [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), linear_module.PACK_BATCH_HINT)
+                          for w in plain],
                "blocked": [blocked_linear.pack(w) for w in plain]}
     del plain
-    x = torch.randn(rows, k).bfloat16()
+    x = torch.randn(rows, k, dtype=dtype)
     calls = {"onednn": lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
              "blocked": lambda w: blocked_linear.linear(x, w)}
     flops = 2 * n * k * rows
@@ -75,16 +86,88 @@ def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float) ->
     return point
 
 
-def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
+def engine_ab_fp32(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
+    """The model in fp32 (its bf16 values), linears in oneDNN's layout alone against the engine as
+    it runs (onednn+blocked), alternating; decode steps at `batches` and one prefill."""
+    from services.engine import LLM
+
+    model_dir = model_path(key)
+    if model_dir is None:
+        return {"skipped": f"{key} absent (python -m shared.realistic_models {key})"}
+    engines = {}
+    real = blocked_linear.available_f32
+    for name, available in (("onednn", lambda: False), ("onednn+blocked", real)):
+        blocked_linear.available_f32 = available
+        try:
+            engines[name] = LLM(str(model_dir), dtype="float32", num_threads=threads, max_num_seqs=max(batches),
+                                max_num_batched_tokens=max(2048, prefill_len), max_model_len=prefill_len + 64,
+                                enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
+        finally:
+            blocked_linear.available_f32 = real
+        print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)
+    result = {}
+    for label, prompts, max_tokens in engine_points(engines["onednn"], batches, prefill_len):
+        median = alternate(engines, prompts, max_tokens, repeats)
+        tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
+        ratio = median["onednn"] / median["onednn+blocked"]
+        result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
+                         "blocked_vs_onednn": ratio}
+        print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
+              + f" tok/s  onednn+blocked/onednn x{ratio:.2f}", flush=True)
+    return result
+
+
+def model_path(key: str) -> Path | None:
     import os
+
+    model_dir = Path(os.environ.get("STRATA_HOME", Path.home() / ".strata")) / "models" / MODEL_DIRS[key]
+    return model_dir if model_dir.exists() else None
+
+
+def held_layouts(llm) -> list[str]:
+    model = llm.engine.runner.model
+    return sorted({model.lm_head.layout} | {getattr(model.layers[0], n).layout for n in LAYER_LINEARS})
+
+
+def engine_points(llm, batches: list[int], prefill_len: int) -> list[tuple[str, list, int]]:
+    """(label, prompts, max_tokens): decode at each batch (17 tokens after a 64-token prompt), and
+    one prefill of prefill_len tokens."""
     import random
 
-    from services.engine import LLM, SamplingParams
+    vocab = llm.engine.runner.model.lm_head.out_features
+    rng = random.Random(0)
+    points = [(f"decode b{b}", [[rng.randrange(100, vocab - 100) for _ in range(64)] for _ in range(b)], 17)
+              for b in batches]
+    points.append((f"prefill {prefill_len}", [[rng.randrange(100, vocab - 100) for _ in range(prefill_len)]], 1))
+    return points
 
-    home = Path(os.environ.get("STRATA_HOME", Path.home() / ".strata"))
-    model_dir = home / "models" / MODEL_DIRS[key]
-    if not model_dir.exists():
-        return {"skipped": f"{model_dir} absent (python -m shared.realistic_models {key})"}
+
+def timed(llm, prompts, max_tokens) -> float:
+    from services.engine import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+    return time.perf_counter() - start
+
+
+def alternate(arms: dict, prompts, max_tokens: int, repeats: int, before=lambda name: None) -> dict:
+    """The median seconds of each arm (name -> LLM), run in turn `repeats` times; decode points
+    less the same prompts' one-token run (their prefill)."""
+    seconds = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, llm in arms.items():
+            before(name)
+            full = timed(llm, prompts, max_tokens)
+            seconds[name].append(full - timed(llm, prompts, 1) if max_tokens > 1 else full)
+    return {name: statistics.median(v) for name, v in seconds.items()}
+
+
+def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
+    from services.engine import LLM
+
+    model_dir = model_path(key)
+    if model_dir is None:
+        return {"skipped": f"{key} absent (python -m shared.realistic_models {key})"}
     engines = {}
     real_available, real_huge = blocked_linear.available, cpu_kernels.huge_page_empty
     small_pages = lambda shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
@@ -99,38 +182,19 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
                                 enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
         finally:
             blocked_linear.available, cpu_kernels.huge_page_empty = real_available, real_huge
-        model = engines[name].engine.runner.model
-        layouts = {model.lm_head.layout} | {getattr(model.layers[0], n).layout for n in LAYER_LINEARS}
-        print(f"  {key} {name}: linears held {'/'.join(sorted(layouts))}", flush=True)
-    vocab = engines["blocked"].engine.runner.model.lm_head.out_features
-    rng = random.Random(0)
+        print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)
     result = {}
-    # (arm, engine, whether its gate/up linears fuse SwiGLU)
-    arms = [("onednn", engines["onednn"], False), ("blocked_4k", engines["blocked_4k"], True),
-            ("blocked", engines["blocked"], True), ("blocked_swiglu_apart", engines["blocked"], False)]
+    # the last arm runs the blocked engine with its gate/up linears' SwiGLU apart
+    arms = {**engines, "blocked_swiglu_apart": engines["blocked"]}
 
-    def set_swiglu(llm, fused: bool) -> None:
-        for layer in llm.engine.runner.model.layers:
+    def set_swiglu(name: str) -> None:
+        for layer in engines["blocked"].engine.runner.model.layers:
             if layer.gate_up.layout == "blocked":
-                layer.gate_up.fuses_swiglu = fused
+                layer.gate_up.fuses_swiglu = name != "blocked_swiglu_apart"
 
-    def timed(llm, prompts, max_tokens):
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
-        return time.perf_counter() - start
-
-    points = [(f"decode b{b}", [[rng.randrange(100, vocab - 100) for _ in range(64)] for _ in range(b)], 17)
-              for b in batches]
-    points.append((f"prefill {prefill_len}", [[rng.randrange(100, vocab - 100) for _ in range(prefill_len)]], 1))
-    for label, prompts, max_tokens in points:
-        seconds = {name: [] for name, _, _ in arms}
-        for _ in range(repeats):
-            for name, llm, fused in arms:
-                set_swiglu(llm, fused)
-                full = timed(llm, prompts, max_tokens)
-                seconds[name].append(full - timed(llm, prompts, 1) if max_tokens > 1 else full)
-        set_swiglu(engines["blocked"], True)
-        median = {name: statistics.median(v) for name, v in seconds.items()}
+    for label, prompts, max_tokens in engine_points(engines["blocked"], batches, prefill_len):
+        median = alternate(arms, prompts, max_tokens, repeats, before=set_swiglu)
+        set_swiglu("blocked")
         tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
         result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
                          "blocked_vs_onednn": median["onednn"] / median["blocked"],
@@ -143,7 +207,7 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
     return result
 
 
-def plot(points: list[dict], path: Path) -> None:
+def plot(points: list[dict], path: Path, fp32: bool) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -164,7 +228,8 @@ def plot(points: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(shapes):]:
         ax.axis("off")
-    fig.suptitle("bf16 linear on CPU: blocked kernel vs oneDNN packed (rows = tokens in the step)")
+    fig.suptitle("fp32 linear on CPU over bf16 weight values: blocked kernel (bf16 copy) vs oneDNN packed fp32"
+                 if fp32 else "bf16 linear on CPU: blocked kernel vs oneDNN packed (rows = tokens in the step)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     print(f"wrote {path}")
@@ -181,29 +246,34 @@ def main() -> None:
     parser.add_argument("--engine-batches", default="1,32")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "blocked_linear.json"))
-    parser.add_argument("--png", default=str(HERE / "results" / "blocked_linear.png"))
+    parser.add_argument("--fp32", action="store_true",
+                        help="fp32 activations over the weights' bf16 values (the kernel's AVX2 path)")
+    parser.add_argument("--out", help="default bench/results/blocked_linear.json (--fp32: blocked_linear_fp32.json)")
+    parser.add_argument("--png", help="default beside --out")
     args = parser.parse_args()
+    args.out = args.out or str(HERE / "results" / f"blocked_linear{'_fp32' if args.fp32 else ''}.json")
+    args.png = args.png or str(Path(args.out).with_suffix(".png"))
     torch.set_num_threads(args.threads)
-    if not blocked_linear.available():
-        print("this CPU has no AVX512-BF16 (or no C compiler): the blocked kernel does not run here; "
-              "bf16 weights stay in oneDNN's layout")
+    if not (blocked_linear.available_f32() if args.fp32 else blocked_linear.available()):
+        print(f"this CPU has no {'AVX2 and FMA' if args.fp32 else 'AVX512-BF16'} (or no C compiler): the blocked "
+              "kernel does not run here; the weights stay in oneDNN's layout")
         return
     points = []
     for key in filter(None, args.shapes.split(",")):  # --shapes "": the engine A/B alone
         for n, k in SHAPES[key]:
             for rows in map(int, args.rows.split(",")):
-                p = kernel_point(n, k, rows, args.rounds, args.weight_mib * 2**20)
+                p = kernel_point(n, k, rows, args.rounds, args.weight_mib * 2**20, args.fp32)
                 points.append({"model": key, **p})
                 extra = f"  {n * k * 2 / p['blocked_us'] / 1e3:5.1f} GB/s of weight" if rows == 1 else ""
                 print(f"{key} {n:6d}x{k:4d} rows {rows:4d}: onednn {p['onednn_gflops']:6.1f}  blocked "
                       f"{p['blocked_gflops']:6.1f} GFLOP/s  x{p['blocked_vs_onednn']:.2f}{extra}", flush=True)
-    engine = {key: engine_ab(key, [int(b) for b in args.engine_batches.split(",")], args.prefill_len, args.repeats,
+    run_engine = engine_ab_fp32 if args.fp32 else engine_ab
+    engine = {key: run_engine(key, [int(b) for b in args.engine_batches.split(",")], args.prefill_len, args.repeats,
                              args.threads)
               for key in filter(None, args.engine.split(","))}
     write_results(args.out, args, {"kernel": points, "engine": engine})
     if points:
-        plot(points, Path(args.png))
+        plot(points, Path(args.png), args.fp32)
 
 
 if __name__ == "__main__":
