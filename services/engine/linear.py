@@ -10,8 +10,9 @@ is not kept:
 - fp32 whose values are all bf16 (a bf16 checkpoint run in fp32, as on CPUs without bf16
   instructions), with the AVX2 kernel: oneDNN's layout for calls of more than SMALL_CALL_ROWS
   rows, and the same values as bf16 in the blocked layout for the calls up to that (decode):
-  those read half the bytes and run 1.2-3.5x faster at 1-16 rows, where from 32 rows on oneDNN
-  is as fast or faster (bench/blocked_linear.py --fp32). Both are held: 1.5x the fp32 weight's bytes.
+  those read half the bytes, 2.1-3.0x faster at one row and 1.0-1.4x at 16 (the engine's
+  decode at batch 1: 2.2x), where from 32 rows on oneDNN is about as fast or faster
+  (bench/blocked_linear.py --fp32). Both are held: 1.5x the fp32 weight's bytes.
 - otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
   vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
@@ -30,9 +31,9 @@ from kernels.cpu import blocked_linear
 # The batch size oneDNN tunes the packed layout for (as vLLM's CPU backend does): good from
 # decode batches to prefill chunks.
 PACK_BATCH_HINT = 32
-# The most rows an fp32 call runs on a weight's bf16 blocked copy (layout "onednn+blocked"):
-# in bench/blocked_linear.py --fp32 the engine's decode at M ran 1.1x faster that way at 16 rows,
-# 0.88x at 32 (the kernel alone: 0.97-1.2x oneDNN's at 32 rows, 0.85-1.05x at 64).
+# The most rows an fp32 call runs on a weight's bf16 blocked copy (layout "onednn+blocked"): in
+# bench/blocked_linear.py --fp32 the engine's decode at M ran 1.1-1.3x faster that way at 16
+# rows, 0.85-0.88x at 32 (the kernel alone: 0.8-1.2x oneDNN's at 32 rows, 0.6-1.0x at 64).
 SMALL_CALL_ROWS = 16
 
 
