@@ -52,15 +52,21 @@ def test_strided_and_batched_inputs_and_any_thread_count_give_the_same_bits():
     x = wide[:, 16:80]  # rows 96 apart: read in place
     out = blocked_linear.linear(x, packed)
     assert_rounded_from(out, reference(x, w, bias))
+    assert_same_bits_however_called(x, packed, out)
+
+
+def assert_same_bits_however_called(x: torch.Tensor, packed, out: torch.Tensor) -> None:
+    """x [rows, K], strided: contiguous, batched, on one thread, the kernel gives `out`'s bits."""
+    rows, width = out.shape
     assert torch.equal(blocked_linear.linear(x.contiguous(), packed), out)
-    assert torch.equal(blocked_linear.linear(x.contiguous().view(1, 11, 64), packed), out.view(1, 11, 136))
+    assert torch.equal(blocked_linear.linear(x.contiguous().view(1, rows, -1), packed), out.view(1, rows, width))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(blocked_linear.linear(x, packed), out)  # one tile computes each output
     finally:
         torch.set_num_threads(threads)
-    assert blocked_linear.linear(x[:0], packed).shape == (0, 136)
+    assert blocked_linear.linear(x[:0], packed).shape == (0, width)
 
 
 def test_what_the_kernel_does_not_take_is_refused():

@@ -9,6 +9,7 @@ import torch
 from kernels.cpu import blocked_linear
 from services.engine import linear as linear_module
 from services.engine.linear import Linear, cpu_layout
+from tests.kernels.test_blocked_linear import assert_same_bits_however_called
 
 pytestmark = pytest.mark.skipif(not blocked_linear.available_f32(), reason="no AVX2 and FMA on this CPU (or no C compiler)")
 
@@ -50,15 +51,7 @@ def test_strided_and_batched_inputs_and_any_thread_count_give_the_same_bits():
     x = torch.randn(11, 96, generator=g)[:, 16:80]  # rows 96 apart: read in place
     out = blocked_linear.linear(x, packed)
     assert_fp32_product(out, x, w, bias)
-    assert torch.equal(blocked_linear.linear(x.contiguous(), packed), out)
-    assert torch.equal(blocked_linear.linear(x.contiguous().view(1, 11, 64), packed), out.view(1, 11, 136))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(blocked_linear.linear(x, packed), out)  # one tile computes each output
-    finally:
-        torch.set_num_threads(threads)
-    assert blocked_linear.linear(x[:0], packed).shape == (0, 136)
+    assert_same_bits_however_called(x, packed, out)
 
 
 def test_fp32_activations_need_a_weight_packed_without_swiglu():
