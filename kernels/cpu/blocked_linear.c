@@ -161,9 +161,11 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  * batches. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in its high half, so
  * w << 16 and w & 0xffff0000 are the two fp32 weights: two integer ops per 8 channels and pair.
  *
- * Tiles (AVX2, 16 registers): R rows by B blocks of 16 channels, R * B <= 4: 8 accumulators,
- * 4 weight vectors and the two broadcast inputs. Within a group of 4 blocks, a block's slice of
- * W (K / 2 x 64 bytes) is read by every tile of rows in turn while it sits in L1/L2. */
+ * Tiles (AVX2, 16 registers): R rows by B blocks of 16 channels, R * B <= 4, so 8 sums in
+ * registers; a pair's words are loaded once a tile and split into even and odd weights. Within a
+ * group of 4 blocks, a block's slice of W (K / 2 x 64 bytes) is read by every tile of rows in
+ * turn while it sits in L1/L2. A 6-row tile (12 sums, the usual sgemm shape) ran slower here: gcc
+ * spilled its sums (docs/performance.md). */
 #if defined(__AVX2__) && defined(__FMA__)
 #define F32_ROWS 4 /* rows of x per tile at most; R * B <= 4 */
 
@@ -229,6 +231,7 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
                               const float *bias, float *y, long y_stride, int num_threads)
 {
 #if defined(__AVX2__) && defined(__FMA__)
+    if (M <= 0) return 0;
     const long pairs = K / 2, block_words = pairs * LANES;
     const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
     const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
