@@ -89,8 +89,6 @@ def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float, fp
 def engine_ab_fp32(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
     """The model in fp32 (its bf16 values), linears in oneDNN's layout alone against the engine as
     it runs (onednn+blocked), alternating; decode steps at `batches` and one prefill."""
-    from services.engine import LLM
-
     model_dir = model_path(key)
     if model_dir is None:
         return {"skipped": f"{key} absent (python -m shared.realistic_models {key})"}
@@ -99,9 +97,7 @@ def engine_ab_fp32(key: str, batches: list[int], prefill_len: int, repeats: int,
     for name, available in (("onednn", lambda: False), ("onednn+blocked", real)):
         blocked_linear.available_f32 = available
         try:
-            engines[name] = LLM(str(model_dir), dtype="float32", num_threads=threads, max_num_seqs=max(batches),
-                                max_num_batched_tokens=max(2048, prefill_len), max_model_len=prefill_len + 64,
-                                enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
+            engines[name] = load_engine(model_dir, "float32", threads, batches, prefill_len)
         finally:
             blocked_linear.available_f32 = real
         print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)
@@ -115,6 +111,15 @@ def engine_ab_fp32(key: str, batches: list[int], prefill_len: int, repeats: int,
         print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
               + f" tok/s  onednn+blocked/onednn x{ratio:.2f}", flush=True)
     return result
+
+
+def load_engine(model_dir: Path, dtype: str, threads: int, batches: list[int], prefill_len: int):
+    """The offline engine, sized for the A/B's decode batches and its prefill."""
+    from services.engine import LLM
+
+    return LLM(str(model_dir), dtype=dtype, num_threads=threads, max_num_seqs=max(batches),
+               max_num_batched_tokens=max(2048, prefill_len), max_model_len=prefill_len + 64,
+               enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
 
 
 def model_path(key: str) -> Path | None:
@@ -163,8 +168,6 @@ def alternate(arms: dict, prompts, max_tokens: int, repeats: int, before=lambda 
 
 
 def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
-    from services.engine import LLM
-
     model_dir = model_path(key)
     if model_dir is None:
         return {"skipped": f"{key} absent (python -m shared.realistic_models {key})"}
@@ -177,9 +180,7 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
                                   ("blocked", real_available, real_huge)):
         blocked_linear.available, cpu_kernels.huge_page_empty = available, huge
         try:
-            engines[name] = LLM(str(model_dir), dtype="bfloat16", num_threads=threads, max_num_seqs=max(batches),
-                                max_num_batched_tokens=max(2048, prefill_len), max_model_len=prefill_len + 64,
-                                enable_prefix_caching=False, num_kv_blocks=max(batches) * 24 + prefill_len // 16 + 8)
+            engines[name] = load_engine(model_dir, "bfloat16", threads, batches, prefill_len)
         finally:
             blocked_linear.available, cpu_kernels.huge_page_empty = real_available, real_huge
         print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)

@@ -41,9 +41,19 @@ def bf16_exact(weight: torch.Tensor) -> bool:
 def packable(weight: torch.Tensor, swiglu: bool = False) -> bool:
     """A bf16 CPU weight [N, K] with K even (the kernel reads inputs in pairs); for swiglu, the
     gate and up halves whole blocks of 16 channels (N a multiple of 32)."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0
+    return (weight.dtype == torch.bfloat16 and _packable_shape(weight)
             and (not swiglu or weight.shape[0] % (2 * LANES) == 0))
+
+
+def packable_as_bf16(weight: torch.Tensor) -> bool:
+    """An fp32 CPU weight [N, K] with K even whose values are all bf16 values: its bf16 copy
+    (`pack(weight.bfloat16())`) loses nothing, and runs fp32 activations."""
+    return weight.dtype == torch.float32 and _packable_shape(weight) and bf16_exact(weight)
+
+
+def _packable_shape(weight: torch.Tensor) -> bool:
+    return (weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
 
 
 @dataclass

@@ -69,8 +69,7 @@ def cpu_layout(weight: torch.Tensor) -> str:
         return "blocked"
     if not cpu_prepacking_available(weight.dtype):
         return "plain"
-    if (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 2 == 0
-            and blocked_linear.available_f32() and blocked_linear.bf16_exact(weight)):
+    if blocked_linear.available_f32() and blocked_linear.packable_as_bf16(weight):
         return "onednn+blocked"
     return "onednn"
 

@@ -68,6 +68,9 @@ def test_bf16_exact_reads_the_low_bits():
     w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(10.0))  # one value off the bf16 grid
     assert not blocked_linear.bf16_exact(w)
     assert not blocked_linear.bf16_exact(torch.randn(8, 8).bfloat16())  # not fp32
+    assert blocked_linear.packable_as_bf16(torch.randn(8, 8).bfloat16().float())
+    assert not blocked_linear.packable_as_bf16(torch.randn(8, 7).bfloat16().float())  # odd K
+    assert not blocked_linear.packable_as_bf16(torch.randn(8, 8))  # off the bf16 grid
 
 
 @pytest.mark.skipif(not linear_module.cpu_prepacking_available(torch.float32), reason="no oneDNN in this torch")
