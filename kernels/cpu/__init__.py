@@ -240,14 +240,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @functools.cache
-def prefill_kernel_vectorized() -> bool:
-    """The prefill kernel's micro-kernels are AVX-512 (the object is built for this CPU). On a CPU
-    without it their plain C loops, though vectorized, run 1.4-3.5x slower than torch's SDPA
-    (bench/prefill_attention.py on an AVX2 Zen 3), so the engine's prefill takes SDPA there."""
+def has_avx512f() -> bool:
+    """This CPU has AVX-512 (foundation): the C objects are built for it (-march=native), and
+    oneDNN's fp32 kernels are 512 bits wide there."""
     try:
         return "avx512f" in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
+
+
+def prefill_kernel_vectorized() -> bool:
+    """The prefill kernel's micro-kernels are AVX-512 (the object is built for this CPU). On a CPU
+    without it their plain C loops, though vectorized, run 1.4-3.5x slower than torch's SDPA
+    (bench/prefill_attention.py on an AVX2 Zen 3), so the engine's prefill takes SDPA there."""
+    return has_avx512f()
 
 
 def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -157,70 +157,155 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
 /* fp32 activations over the same layout (strata_blocked_linear_f32), for CPUs without bf16
  * instructions that run a model in fp32 whose weights are bf16 values (a bf16 checkpoint upcast:
  * the weights lose nothing held as bf16). The products are the fp32 products of the upcast
- * weights; what it saves is half the weight bytes a step reads, which bound decode at small
- * batches. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in its high half, so
- * w << 16 and w & 0xffff0000 are the two fp32 weights: two integer ops per 8 channels and pair.
+ * weights, from half the bytes. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in
+ * its high half, so w << 16 and w & 0xffff0000 are the two fp32 weights.
  *
- * Tiles (AVX2, 16 registers): R rows by B blocks of 16 channels, R * B <= 4, so 8 sums in
- * registers; a pair's words are loaded once a tile and split into even and odd weights. Within a
- * group of 4 blocks, a block's slice of W (K / 2 x 64 bytes) is read by every tile of rows in
- * turn while it sits in L1/L2. A 6-row tile (12 sums, the usual sgemm shape) ran slower here: gcc
- * spilled its sums (docs/performance.md). */
+ * Work: each thread takes a contiguous share of the blocks of 16 channels and walks it once per
+ * pass of F32_KC inputs (the pass's slice of a tile's rows stays in L1) and F32_MC rows. y holds
+ * the sums between passes (fp32 to fp32: exact), so every output is summed from its bias in input
+ * order whatever the tile, path or thread count: a row gets the same bits in any batch.
+ *
+ * Two tiles (AVX2: 16 vector registers):
+ * - direct (decode batches, fewer than F32_PANEL_ROWS rows): up to 5 rows by one block, or one
+ *   row by 4 blocks, straight from the pair words: each pair's words are loaded, shifted for the
+ *   even input, then loaded again and masked for the odd one, so that only two registers of
+ *   weights are live beside the 10 sums.
+ * - panel (prefill chunks): a block's pass of words is first widened to fp32 once (16 KB, in L1),
+ *   then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run over it, each
+ *   step 2 loads, 6 broadcasts and 12 FMAs. At 64-2048 rows this runs 0.97-1.25x as fast as
+ *   oneDNN's fp32 matmul on M's and L's shapes on a Zen 3 (bench/blocked_linear.py --fp32).
+ */
 #if defined(__AVX2__) && defined(__FMA__)
-#define F32_ROWS 4 /* rows of x per tile at most; R * B <= 4 */
+#include <omp.h>
 
-static inline __attribute__((always_inline)) void tile_f32(const int rows, const int blocks, const float *x,
-                                                           long x_stride, long pairs, const uint32_t *w,
-                                                           long block_words, const float *bias, int valid,
-                                                           float *y, long y_stride)
+#define F32_KC 256        /* inputs per pass (even) */
+#define F32_MC 120        /* rows per pass over a block: a multiple of both tile heights */
+#define F32_PANEL_ROWS 64 /* calls of this many rows or more take the panel tile */
+#define DIRECT_ROWS 5
+#define PANEL_ROWS 6
+/* Every loop over a tile's rows and blocks is unrolled before gcc scalarizes the sums: left to its
+ * heuristics, they stayed in memory, a store each step, and the direct tile ran 1.5x slower. */
+#define UNROLLED _Pragma("GCC unroll 8")
+
+static inline __attribute__((always_inline)) void direct_tile(const int rows, const int blocks, const float *x,
+                                                              long x_stride, const uint32_t *w, long block_words,
+                                                              long pairs, const float *bias, int resume, float *y,
+                                                              long y_stride)
 {
-    __m256 acc[F32_ROWS][4][2];
-    for (int b = 0; b < blocks; b++)
-        for (int h = 0; h < 2; h++) {
-            const __m256 start = bias ? _mm256_loadu_ps(bias + b * LANES + 8 * h) : _mm256_setzero_ps();
-            for (int m = 0; m < rows; m++) acc[m][b][h] = start;
-        }
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    for (long p = 0; p < pairs; p++) {
-        __m256 even[4][2], odd[4][2];
-        for (int b = 0; b < blocks; b++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i words = _mm256_loadu_si256((const __m256i *)(w + b * block_words + p * LANES + 8 * h));
-                even[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-                odd[b][h] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+    __m256 acc[DIRECT_ROWS][2]; /* rows * blocks <= DIRECT_ROWS */
+#define SUM(m, b) acc[(m) * blocks + (b)]
+    UNROLLED for (int m = 0; m < rows; m++)
+        UNROLLED for (int b = 0; b < blocks; b++) {
+            if (resume) {
+                SUM(m, b)[0] = _mm256_loadu_ps(y + m * y_stride + b * LANES);
+                SUM(m, b)[1] = _mm256_loadu_ps(y + m * y_stride + b * LANES + 8);
+            } else if (bias) {
+                SUM(m, b)[0] = _mm256_loadu_ps(bias + b * LANES);
+                SUM(m, b)[1] = _mm256_loadu_ps(bias + b * LANES + 8);
+            } else {
+                SUM(m, b)[0] = SUM(m, b)[1] = _mm256_setzero_ps();
             }
+        }
+    const float *xr[DIRECT_ROWS];
+    UNROLLED for (int m = 0; m < rows; m++) xr[m] = x + m * x_stride;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    #pragma GCC unroll 2
+    for (long p = 0; p < pairs; p++)
+        UNROLLED for (int b = 0; b < blocks; b++) {
+            const __m256i *words = (const __m256i *)(w + b * block_words + p * LANES);
+            __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(words), 16));
+            __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(words + 1), 16));
+            UNROLLED for (int m = 0; m < rows; m++) {
+                const __m256 xv = _mm256_broadcast_ss(xr[m] + 2 * p);
+                SUM(m, b)[0] = _mm256_fmadd_ps(xv, w0, SUM(m, b)[0]);
+                SUM(m, b)[1] = _mm256_fmadd_ps(xv, w1, SUM(m, b)[1]);
+            }
+            w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(words), high));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(words + 1), high));
+            UNROLLED for (int m = 0; m < rows; m++) {
+                const __m256 xv = _mm256_broadcast_ss(xr[m] + 2 * p + 1);
+                SUM(m, b)[0] = _mm256_fmadd_ps(xv, w0, SUM(m, b)[0]);
+                SUM(m, b)[1] = _mm256_fmadd_ps(xv, w1, SUM(m, b)[1]);
+            }
+        }
+    UNROLLED for (int m = 0; m < rows; m++)
+        UNROLLED for (int b = 0; b < blocks; b++) {
+            _mm256_storeu_ps(y + m * y_stride + b * LANES, SUM(m, b)[0]);
+            _mm256_storeu_ps(y + m * y_stride + b * LANES + 8, SUM(m, b)[1]);
+        }
+#undef SUM
+}
+
+/* panel: [inputs][16] fp32, one block's weights for this pass */
+static inline __attribute__((always_inline)) void panel_tile(const int rows, const float *x, long x_stride,
+                                                             const float *panel, long inputs, const float *bias,
+                                                             int resume, float *y, long y_stride)
+{
+    __m256 acc[PANEL_ROWS][2];
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < 2; h++) {
+            if (resume) acc[m][h] = _mm256_loadu_ps(y + m * y_stride + 8 * h);
+            else if (bias) acc[m][h] = _mm256_loadu_ps(bias + 8 * h);
+            else acc[m][h] = _mm256_setzero_ps();
+        }
+    #pragma GCC unroll 4
+    for (long k = 0; k < inputs; k++) {
+        const __m256 w0 = _mm256_load_ps(panel + k * LANES), w1 = _mm256_load_ps(panel + k * LANES + 8);
         for (int m = 0; m < rows; m++) {
-            const __m256 xe = _mm256_broadcast_ss(x + m * x_stride + 2 * p);
-            const __m256 xo = _mm256_broadcast_ss(x + m * x_stride + 2 * p + 1);
-            for (int b = 0; b < blocks; b++)
-                for (int h = 0; h < 2; h++)
-                    acc[m][b][h] = _mm256_fmadd_ps(odd[b][h], xo, _mm256_fmadd_ps(even[b][h], xe, acc[m][b][h]));
+            const __m256 xv = _mm256_broadcast_ss(x + m * x_stride + k);
+            acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int b = 0; b < blocks; b++) {
-            float *dst = y + m * y_stride + b * LANES;
-            if (b < blocks - 1 || valid == LANES) {
-                _mm256_storeu_ps(dst, acc[m][b][0]);
-                _mm256_storeu_ps(dst + 8, acc[m][b][1]);
-            } else {
-                float out[LANES];
-                _mm256_storeu_ps(out, acc[m][b][0]);
-                _mm256_storeu_ps(out + 8, acc[m][b][1]);
-                memcpy(dst, out, (size_t)valid * sizeof *out);
-            }
+    for (int m = 0; m < rows; m++) {
+        _mm256_storeu_ps(y + m * y_stride, acc[m][0]);
+        _mm256_storeu_ps(y + m * y_stride + 8, acc[m][1]);
+    }
+}
+
+/* One block's words for `pairs` pairs -> panel [2 * pairs][16] fp32. */
+static void widen(const uint32_t *w, long pairs, float *panel)
+{
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (long p = 0; p < pairs; p++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i words = _mm256_loadu_si256((const __m256i *)(w + p * LANES + 8 * h));
+            _mm256_store_si256((__m256i *)(panel + 2 * p * LANES + 8 * h), _mm256_slli_epi32(words, 16));
+            _mm256_store_si256((__m256i *)(panel + (2 * p + 1) * LANES + 8 * h), _mm256_and_si256(words, high));
         }
 }
 
-#define TILE_F32_CASE(R, B) \
-    case (R) * 8 + (B): tile_f32(R, B, x, x_stride, pairs, w, block_words, bias, valid, y, y_stride); return;
-static void tile_f32_dispatch(int rows, int blocks, const float *x, long x_stride, long pairs, const uint32_t *w,
-                              long block_words, const float *bias, int valid, float *y, long y_stride)
+/* Every tile shape, so that each loop above has constant bounds (registers, no spills). */
+#define DIRECT_CASE(R, B) \
+    case (R) * 8 + (B): direct_tile(R, B, x, x_stride, w, block_words, inputs / 2, bias, resume, y, y_stride); return;
+#define PANEL_CASE(R) \
+    case 64 + (R) * 8 + 1: panel_tile(R, x, x_stride, panel, inputs, bias, resume, y, y_stride); return;
+static void tile_dispatch_f32(const float *panel, int rows, int blocks, const float *x, long x_stride,
+                              const uint32_t *w, long block_words, long inputs, const float *bias, int resume,
+                              float *y, long y_stride)
 {
-    switch (rows * 8 + blocks) {
-        TILE_F32_CASE(1, 1) TILE_F32_CASE(1, 2) TILE_F32_CASE(1, 3) TILE_F32_CASE(1, 4)
-        TILE_F32_CASE(2, 1) TILE_F32_CASE(2, 2) TILE_F32_CASE(3, 1) TILE_F32_CASE(4, 1)
+    switch ((panel ? 64 : 0) + rows * 8 + blocks) {
+        DIRECT_CASE(1, 1) DIRECT_CASE(1, 2) DIRECT_CASE(1, 3) DIRECT_CASE(1, 4)
+        DIRECT_CASE(2, 1) DIRECT_CASE(3, 1) DIRECT_CASE(4, 1) DIRECT_CASE(5, 1)
+        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
     }
+}
+
+/* A tile whose last block is N's partial one runs on a scratch copy of its outputs (whole blocks)
+ * and stores the `valid` channels of that block back. */
+static void tile_f32(const float *panel, int rows, int blocks, const float *x, long x_stride, const uint32_t *w,
+                     long block_words, long inputs, const float *bias, int resume, float *y, long y_stride,
+                     int valid)
+{
+    if (valid == LANES) {
+        tile_dispatch_f32(panel, rows, blocks, x, x_stride, w, block_words, inputs, bias, resume, y, y_stride);
+        return;
+    }
+    float scratch[PANEL_ROWS * 4 * LANES];
+    const long width = (long)blocks * LANES, used = width - LANES + valid;
+    for (int m = 0; m < rows && resume; m++) memcpy(scratch + m * width, y + m * y_stride, (size_t)used * sizeof *y);
+    tile_dispatch_f32(panel, rows, blocks, x, x_stride, w, block_words, inputs, bias, resume, scratch, width);
+    for (int m = 0; m < rows; m++) memcpy(y + m * y_stride, scratch + m * width, (size_t)used * sizeof *y);
 }
 #endif
 
@@ -232,26 +317,31 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
 {
 #if defined(__AVX2__) && defined(__FMA__)
     if (M <= 0) return 0;
-    const long pairs = K / 2, block_words = pairs * LANES;
-    const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
-    const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
-    /* rows per tile: 4 rows of one block, or fewer rows (the last ones, or a small batch) over
-     * more blocks, so a small batch still has 8 sums in flight */
-    const int tile_rows = M >= F32_ROWS ? F32_ROWS : (int)M;
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if(items > 1)
-    for (long item = 0; item < items; item++) {
-        const long g = item / chunks, chunk = item % chunks;
-        const long g0 = g * NT, g_blocks = n_blocks - g0 < NT ? n_blocks - g0 : NT;
-        const long r_end = (chunk + 1) * ROW_CHUNK < M ? (chunk + 1) * ROW_CHUNK : M;
-        const int step = F32_ROWS / tile_rows; /* blocks per tile */
-        for (long b0 = g0; b0 < g0 + g_blocks; b0 += step) {
-            const long blocks = g0 + g_blocks - b0 < step ? g0 + g_blocks - b0 : step;
-            const long last = N - (b0 + blocks - 1) * LANES;
-            for (long r = chunk * ROW_CHUNK; r < r_end; r += tile_rows) {
-                const int rows = r_end - r < tile_rows ? (int)(r_end - r) : tile_rows;
-                tile_f32_dispatch(rows, (int)blocks, x + r * x_stride, x_stride, pairs, w + b0 * block_words,
-                                  block_words, bias ? bias + b0 * LANES : NULL, last < LANES ? (int)last : LANES,
-                                  y + r * y_stride + b0 * LANES, y_stride);
+    const long block_words = K / 2 * LANES, n_blocks = (N + LANES - 1) / LANES;
+    const int panel = M >= F32_PANEL_ROWS;
+    /* one row runs over 4 blocks, so that 8 sums are in flight */
+    const int tile_blocks = M == 1 ? 4 : 1;
+    const int tile_rows = panel ? PANEL_ROWS : M < DIRECT_ROWS ? (int)M : DIRECT_ROWS;
+    #pragma omp parallel num_threads(num_threads) if(n_blocks > 1)
+    {
+        float panel_buf[F32_KC * LANES] __attribute__((aligned(32)));
+        const long t = omp_get_thread_num(), threads = omp_get_num_threads();
+        const long j_begin = n_blocks * t / threads, j_end = n_blocks * (t + 1) / threads;
+        for (long k0 = 0; k0 < K; k0 += F32_KC) {
+            const long inputs = K - k0 < F32_KC ? K - k0 : F32_KC;
+            for (long i0 = 0; i0 < M; i0 += F32_MC) {
+                const long i_end = i0 + F32_MC < M ? i0 + F32_MC : M;
+                for (long j = j_begin; j < j_end; j += tile_blocks) {
+                    const int blocks = j_end - j < tile_blocks ? (int)(j_end - j) : tile_blocks;
+                    const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
+                    const long last = N - (j + blocks - 1) * LANES;
+                    if (panel) widen(wj, inputs / 2, panel_buf);
+                    for (long i = i0; i < i_end; i += tile_rows)
+                        tile_f32(panel ? panel_buf : NULL, i_end - i < tile_rows ? (int)(i_end - i) : tile_rows,
+                                 blocks, x + i * x_stride + k0, x_stride, wj, block_words, inputs,
+                                 bias ? bias + j * LANES : NULL, k0 > 0, y + i * y_stride + j * LANES, y_stride,
+                                 last < LANES ? (int)last : LANES);
+                }
             }
         }
     }

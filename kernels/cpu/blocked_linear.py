@@ -7,7 +7,8 @@ kernels/cpu/blocked_linear.c (see its header for the layout, the tiles and why).
   (x U^T) in the same pass, the activation applied to the product's tiles while in registers.
 - fp32 activations on CPUs with AVX2 and FMA (`available_f32`), for an fp32 model whose weights
   are bf16 values (`bf16_exact`: a bf16 checkpoint upcast): the same products as fp32 weights,
-  from half the bytes.
+  from half the bytes; decode batches straight from the pairs, prefill chunks through an fp32
+  panel of each block (blocked_linear.c).
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def available() -> bool:
 def available_f32() -> bool:
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.strata_blocked_linear_f32_available())
+
+
+def f32_outruns_onednn() -> bool:
+    """The fp32 path runs every call size about as fast as oneDNN's fp32 matmul or faster: an AVX2
+    CPU without AVX-512, where oneDNN's kernels are 256 bits wide too (bench/blocked_linear.py
+    --fp32 on a Zen 3: 1.5-2.5x at 1-4 rows, 0.97-1.25x at 64-2048 rows). Where AVX-512 is,
+    oneDNN's 512-bit kernels were not measured against it."""
+    return available_f32() and not cpu_kernels.has_avx512f()
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

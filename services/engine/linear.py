@@ -8,11 +8,13 @@ is not kept:
   chunks both are within a few percent (bench/blocked_linear.py). Rows need no padding to
   shape buckets.
 - fp32 whose values are all bf16 (a bf16 checkpoint run in fp32, as on CPUs without bf16
-  instructions), with the AVX2 kernel: oneDNN's layout for calls of more than SMALL_CALL_ROWS
-  rows, and the same values as bf16 in the blocked layout for the calls up to that (decode):
-  those read half the bytes, 2.1-3.0x faster at one row and 1.0-1.4x at 16 (the engine's
-  decode at batch 1: 2.2x), where from 32 rows on oneDNN is about as fast or faster
-  (bench/blocked_linear.py --fp32). Both are held: 1.5x the fp32 weight's bytes.
+  instructions), with the AVX2 kernel: the same values as bf16 in the blocked layout. On an AVX2
+  CPU without AVX-512 ("blocked", `blocked_linear.f32_outruns_onednn`) every call runs there:
+  decode batches read half the bytes (1.5-2.5x oneDNN's fp32 matmul at 1-4 rows) and prefill
+  chunks run 0.97-1.25x as fast at 64-2048 rows (bench/blocked_linear.py --fp32 on a Zen 3);
+  the weight takes half the fp32 bytes. With AVX-512, where oneDNN's fp32 kernels are twice as
+  wide ("onednn+blocked"), oneDNN's layout is held too and takes the calls of more than
+  SMALL_CALL_ROWS rows: 1.5x the fp32 weight's bytes.
 - otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
   vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
@@ -62,16 +64,18 @@ def cpu_prepacking_available(dtype: torch.dtype) -> bool:
 
 
 def cpu_layout(weight: torch.Tensor) -> str:
-    """The layout a CPU weight is held in: "blocked" (Strata's bf16 kernel), "onednn" (oneDNN's
-    packed matmul), "onednn+blocked" (an fp32 weight of bf16 values: oneDNN's layout, and the
-    bf16 values blocked for calls of up to SMALL_CALL_ROWS rows) or "plain" (F.linear)."""
+    """The layout a CPU weight is held in: "blocked" (Strata's kernel over bf16 values: a bf16
+    weight, or an fp32 one of bf16 values where the fp32 path outruns oneDNN), "onednn" (oneDNN's
+    packed matmul), "onednn+blocked" (an fp32 weight of bf16 values elsewhere: oneDNN's layout,
+    and the bf16 values blocked for calls of up to SMALL_CALL_ROWS rows) or "plain" (F.linear)."""
     if blocked_linear.packable(weight) and blocked_linear.available():
+        return "blocked"
+    bf16_values = blocked_linear.available_f32() and blocked_linear.packable_as_bf16(weight)
+    if bf16_values and blocked_linear.f32_outruns_onednn():
         return "blocked"
     if not cpu_prepacking_available(weight.dtype):
         return "plain"
-    if blocked_linear.available_f32() and blocked_linear.packable_as_bf16(weight):
-        return "onednn+blocked"
-    return "onednn"
+    return "onednn+blocked" if bf16_values else "onednn"
 
 
 class Linear:
@@ -87,10 +91,8 @@ class Linear:
         self.layout = cpu_layout(weight) if prepack else "plain"
         self.fuses_swiglu = swiglu and self.layout == "blocked" and blocked_linear.packable(weight, swiglu=True)
         self.blocked = None  # the blocked layout: every call ("blocked"), or the small ones
-        if self.layout == "blocked":
-            self.blocked = blocked_linear.pack(weight, bias, self.fuses_swiglu)
-        elif self.layout == "onednn+blocked":
-            self.blocked = blocked_linear.pack(weight.bfloat16(), bias)  # the bias stays fp32 there
+        if self.layout in ("blocked", "onednn+blocked"):  # an fp32 weight's values lose nothing as bf16
+            self.blocked = blocked_linear.pack(weight.bfloat16(), bias, self.fuses_swiglu)
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
                        if self.layout.startswith("onednn") else None)
         self.weight = weight if self.layout == "plain" else None

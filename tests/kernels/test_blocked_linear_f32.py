@@ -1,7 +1,8 @@
 """The blocked kernel's fp32 path (kernels/cpu/blocked_linear.c, strata_blocked_linear_f32): fp32
 activations over bf16 weights in the blocked layout, against a float64 matmul of the same values;
-every tile shape (1-4 rows by 1-4 blocks, a partial last block), row chunks, strided inputs, the
-bias; and the layer that holds an fp32 weight of bf16 values in both layouts ("onednn+blocked")."""
+both tiles (direct: 1-5 rows, one row over 1-4 blocks; panel: 64 rows and more, 1-6 row
+remainders), passes over the inputs and rows, a partial last block, strided inputs, the bias, the
+same bits for a row in any batch; and the layer that holds an fp32 weight of bf16 values."""
 
 import pytest
 import torch
@@ -26,11 +27,14 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
     assert ((got.double() - exact).abs() <= 8 * torch.finfo(torch.float32).eps * scale + 1e-30).all()
 
 
-# (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
-# group of 4 (N = 64 + 16, + 33, + 48); rows 1-3 (tiles over 4, 2 and 1 blocks), 4-9 (4-row tiles
-# and every remainder), 300 rows (two chunks of 256); K of 2 (one pair).
+# (out features, in features, rows): partial blocks (N of 1, 17, 40, 97); one row over 1-4 blocks
+# (a thread's share of 1-3 blocks, or 7 on 2 threads: N = 222); direct tiles of 2-5 rows and every
+# remainder (rows 2-9); panel tiles from 64 rows (every remainder of 6: rows 64-69; 130 and 300
+# rows: passes of 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
-          (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8)]
+          (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
+          (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
+          (64, 1024, 69), (50, 600, 130), (222, 64, 1)]
 
 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
@@ -73,7 +77,40 @@ def test_bf16_exact_reads_the_low_bits():
     assert not blocked_linear.packable_as_bf16(torch.randn(8, 8))  # off the bf16 grid
 
 
-@pytest.mark.skipif(not linear_module.cpu_prepacking_available(torch.float32), reason="no oneDNN in this torch")
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """Every path sums a channel from its bias in input order (fp32 y between passes), so the
+    direct tile, one row over 4 blocks and the panel tile agree to the bit."""
+    g = torch.Generator().manual_seed(3)
+    w, bias = bf16_valued(70, 600, generator=g), torch.randn(70, generator=g)
+    packed = blocked_linear.pack(w.bfloat16(), bias)
+    x = torch.randn(130, 600, generator=g)
+    whole = blocked_linear.linear(x, packed)
+    assert_fp32_product(whole, x, w, bias)
+    for rows in (1, 2, 5, 63, 64, 127):
+        assert torch.equal(blocked_linear.linear(x[-rows:], packed), whole[-rows:])
+
+
+@pytest.mark.skipif(not blocked_linear.f32_outruns_onednn(), reason="AVX-512 here: oneDNN takes the large calls")
+def test_where_the_fp32_path_outruns_onednn_the_layer_holds_the_bf16_values_alone():
+    g = torch.Generator().manual_seed(2)
+    w, bias = bf16_valued(48, 32, generator=g), torch.randn(48, generator=g)
+    layer = Linear(w, bias)
+    assert layer.layout == "blocked" and not layer.wants_row_buckets and layer.packed is None
+    assert layer.weight is None and layer.bias is None and not layer.fuses_swiglu
+    assert layer.nbytes == 48 * 32 * 2 + 48 * 4  # half the fp32 weight, and the fp32 bias
+    for rows in (1, 5, 64, 100):
+        x = torch.randn(rows, 32, generator=g)
+        out = layer(x)
+        assert_fp32_product(out, x, w, bias)
+        assert torch.equal(out, blocked_linear.linear(x, layer.blocked))
+    assert Linear(w, swiglu=True).layout == "blocked"  # fp32 activations: never the fused SwiGLU
+    assert not Linear(w, swiglu=True).fuses_swiglu
+    assert cpu_layout(bf16_valued(48, 31, generator=g)) != "blocked"  # odd K
+    assert cpu_layout(torch.randn(48, 32, generator=g)) != "blocked"  # values off the bf16 grid
+
+
+@pytest.mark.skipif(blocked_linear.f32_outruns_onednn() or not linear_module.cpu_prepacking_available(torch.float32),
+                    reason="the fp32 path takes every call here (or no oneDNN in this torch)")
 def test_the_layer_runs_small_calls_on_the_bf16_copy_and_large_ones_on_onednn():
     g = torch.Generator().manual_seed(2)
     w, bias = bf16_valued(48, 32, generator=g), torch.randn(48, generator=g)
