@@ -6,8 +6,9 @@ linear shapes of bench/engine_realistic.py's M and L models.
 --fp32: the same for an fp32 model of bf16 weights (a bf16 checkpoint run in fp32, as on CPUs
 without bf16 instructions): the kernel's fp32 path (fp32 activations, the weights' bf16 values
 blocked; AVX2 and FMA) beside oneDNN's fp32 packed matmul; and the engine (--engine) in fp32
-with its linears in oneDNN's layout alone, and as it runs (layout "onednn+blocked": calls of up
-to linear.SMALL_CALL_ROWS rows on the bf16 copy).
+with its linears in oneDNN's layout alone, and as it runs (on an AVX2 CPU without AVX-512, layout
+"blocked": every call on the bf16 values; with AVX-512, "onednn+blocked": calls of up to
+linear.SMALL_CALL_ROWS rows on the bf16 copy).
 
 Kernel: for each shape and row count, both layouts of the same weights, called in turn (rounds
 alternate, the best of --rounds counts); enough copies of each weight that every call reads it
@@ -88,28 +89,31 @@ def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float, fp
 
 def engine_ab_fp32(key: str, batches: list[int], prefill_len: int, repeats: int, threads: int) -> dict:
     """The model in fp32 (its bf16 values), linears in oneDNN's layout alone against the engine as
-    it runs (onednn+blocked), alternating; decode steps at `batches` and one prefill."""
+    it runs (its arm named after the layout it holds), alternating; decode steps at `batches` and
+    one prefill."""
     model_dir = model_path(key)
     if model_dir is None:
         return {"skipped": f"{key} absent (python -m shared.realistic_models {key})"}
-    engines = {}
     real = blocked_linear.available_f32
-    for name, available in (("onednn", lambda: False), ("onednn+blocked", real)):
-        blocked_linear.available_f32 = available
-        try:
-            engines[name] = load_engine(model_dir, "float32", threads, batches, prefill_len)
-        finally:
-            blocked_linear.available_f32 = real
-        print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)
-    result = {}
+    blocked_linear.available_f32 = lambda: False
+    try:
+        engines = {"onednn": load_engine(model_dir, "float32", threads, batches, prefill_len)}
+    finally:
+        blocked_linear.available_f32 = real
+    as_run = load_engine(model_dir, "float32", threads, batches, prefill_len)
+    held = "/".join(held_layouts(as_run))
+    engines[held] = as_run
+    for name, llm in engines.items():
+        print(f"  {key} {name}: linears held {'/'.join(held_layouts(llm))}", flush=True)
+    result = {"held": held}
     for label, prompts, max_tokens in engine_points(engines["onednn"], batches, prefill_len):
         median = alternate(engines, prompts, max_tokens, repeats)
         tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
-        ratio = median["onednn"] / median["onednn+blocked"]
+        ratio = median["onednn"] / median[held]
         result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
                          "blocked_vs_onednn": ratio}
         print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
-              + f" tok/s  onednn+blocked/onednn x{ratio:.2f}", flush=True)
+              + f" tok/s  {held}/onednn x{ratio:.2f}", flush=True)
     return result
 
 
