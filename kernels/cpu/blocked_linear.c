@@ -170,8 +170,8 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  *   row by 4 blocks, straight from the pair words: each pair's words are loaded, shifted for the
  *   even input, then loaded again and masked for the odd one, so that only two registers of
  *   weights are live beside the 10 sums.
- * - panel (prefill chunks): a block's pass of words is first widened to fp32 once (16 KB, in L1),
- *   then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run over it, each
+ * - panel (prefill chunks): a block's pass of words is first widened to fp32 (16 KB, in L1; once
+ *   a pass of rows), then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run over it, each
  *   step 2 loads, 6 broadcasts and 12 FMAs. At 64-2048 rows this runs 0.97-1.25x as fast as
  *   oneDNN's fp32 matmul on M's and L's shapes on a Zen 3 (bench/blocked_linear.py --fp32).
  */

@@ -28,13 +28,14 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 
 
 # (out features, in features, rows): partial blocks (N of 1, 17, 40, 97); one row over 1-4 blocks
-# (a thread's share of 1-3 blocks, or 7 on 2 threads: N = 222); direct tiles of 2-5 rows and every
+# (on 2 threads: N = 48, shares of 1 and 2 blocks; 222, 7 each: tiles of 4 and 3; 250, 8 each, the
+# last tile of 4 ending in the partial block); direct tiles of 2-5 rows and every
 # remainder (rows 2-9); panel tiles from 64 rows (every remainder of 6: rows 64-69; 130 and 300
 # rows: passes of 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
           (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
           (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
-          (64, 1024, 69), (50, 600, 130), (222, 64, 1)]
+          (64, 1024, 69), (50, 600, 130), (222, 64, 1), (250, 64, 1)]
 
 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
@@ -79,9 +80,10 @@ def test_bf16_exact_reads_the_low_bits():
 
 def test_a_row_gets_the_same_bits_in_any_batch():
     """Every path sums a channel from its bias in input order (fp32 y between passes), so the
-    direct tile, one row over 4 blocks and the panel tile agree to the bit."""
+    direct tile, one row over 4 blocks (N = 118: 8 blocks, 4 a thread on 2) and the panel tile
+    agree to the bit."""
     g = torch.Generator().manual_seed(3)
-    w, bias = bf16_valued(70, 600, generator=g), torch.randn(70, generator=g)
+    w, bias = bf16_valued(118, 600, generator=g), torch.randn(118, generator=g)
     packed = blocked_linear.pack(w.bfloat16(), bias)
     x = torch.randn(130, 600, generator=g)
     whole = blocked_linear.linear(x, packed)
