@@ -166,14 +166,14 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  * order whatever the tile, path or thread count: a row gets the same bits in any batch.
  *
  * Two tiles (AVX2: 16 vector registers):
- * - direct (decode batches, fewer than F32_PANEL_ROWS rows): up to 5 rows by one block, or one
- *   row by 4 blocks, straight from the pair words: each pair's words are loaded, shifted for the
- *   even input, then loaded again and masked for the odd one, so that only two registers of
- *   weights are live beside the 10 sums.
+ * - direct (decode batches, fewer than F32_PANEL_ROWS rows): up to 5 rows by one block, one row
+ *   by 4 blocks or two or three rows by 2 (8 or more sums in flight), straight from the pair
+ *   words: each pair's words are loaded, shifted for the even input, then loaded again and masked
+ *   for the odd one, so that only two registers of weights are live beside at most 12 sums.
  * - panel (prefill chunks): a block's pass of words is first widened to fp32 (16 KB, in L1; once
- *   a pass of rows), then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run over it, each
- *   step 2 loads, 6 broadcasts and 12 FMAs. At 64-2048 rows this runs 0.97-1.25x as fast as
- *   oneDNN's fp32 matmul on M's and L's shapes on a Zen 3 (bench/blocked_linear.py --fp32).
+ *   a pass of rows), then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run
+ *   over it, each step 2 loads, 6 broadcasts and 12 FMAs. At 64-2048 rows this runs 0.97-1.25x as
+ *   fast as oneDNN's fp32 matmul on M's and L's shapes on a Zen 3 (bench/blocked_linear.py --fp32).
  */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <omp.h>
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void direct_tile(const int rows, co
                                                               long pairs, const float *bias, int resume, float *y,
                                                               long y_stride)
 {
-    __m256 acc[DIRECT_ROWS][2]; /* rows * blocks <= DIRECT_ROWS */
+    __m256 acc[6][2]; /* rows * blocks <= 6 */
 #define SUM(m, b) acc[(m) * blocks + (b)]
     UNROLLED for (int m = 0; m < rows; m++)
         UNROLLED for (int b = 0; b < blocks; b++) {
@@ -286,7 +286,7 @@ static void tile_dispatch_f32(const float *panel, int rows, int blocks, const fl
 {
     switch ((panel ? 64 : 0) + rows * 8 + blocks) {
         DIRECT_CASE(1, 1) DIRECT_CASE(1, 2) DIRECT_CASE(1, 3) DIRECT_CASE(1, 4)
-        DIRECT_CASE(2, 1) DIRECT_CASE(3, 1) DIRECT_CASE(4, 1) DIRECT_CASE(5, 1)
+        DIRECT_CASE(2, 1) DIRECT_CASE(2, 2) DIRECT_CASE(3, 1) DIRECT_CASE(3, 2) DIRECT_CASE(4, 1) DIRECT_CASE(5, 1)
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
     }
 }
@@ -319,8 +319,9 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
     if (M <= 0) return 0;
     const long block_words = K / 2 * LANES, n_blocks = (N + LANES - 1) / LANES;
     const int panel = M >= F32_PANEL_ROWS;
-    /* one row runs over 4 blocks, so that 8 sums are in flight */
-    const int tile_blocks = M == 1 ? 4 : 1;
+    /* one row runs over 4 blocks and two or three over 2, so that 8 to 12 sums are in flight: with
+     * fewer, each sum's chain of FMAs waits on the last (2 and 3 rows ran 1.2-1.3x slower) */
+    const int tile_blocks = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const int tile_rows = panel ? PANEL_ROWS : M < DIRECT_ROWS ? (int)M : DIRECT_ROWS;
     #pragma omp parallel num_threads(num_threads) if(n_blocks > 1)
     {
@@ -336,11 +337,16 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
                     const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
                     const long last = N - (j + blocks - 1) * LANES;
                     if (panel) widen(wj, inputs / 2, panel_buf);
-                    for (long i = i0; i < i_end; i += tile_rows)
-                        tile_f32(panel ? panel_buf : NULL, i_end - i < tile_rows ? (int)(i_end - i) : tile_rows,
-                                 blocks, x + i * x_stride + k0, x_stride, wj, block_words, inputs,
-                                 bias ? bias + j * LANES : NULL, k0 > 0, y + i * y_stride + j * LANES, y_stride,
-                                 last < LANES ? (int)last : LANES);
+                    /* the pass's rows in as few tiles as tile_rows allows, of near-equal heights: a thin
+                     * last tile (16 rows as 5+5+5+1) has too few sums to keep the FMA units busy */
+                    const long tiles = (i_end - i0 + tile_rows - 1) / tile_rows;
+                    for (long t_i = 0, i = i0; t_i < tiles; t_i++) {
+                        const long i_next = i0 + (i_end - i0) * (t_i + 1) / tiles;
+                        tile_f32(panel ? panel_buf : NULL, (int)(i_next - i), blocks, x + i * x_stride + k0,
+                                 x_stride, wj, block_words, inputs, bias ? bias + j * LANES : NULL, k0 > 0,
+                                 y + i * y_stride + j * LANES, y_stride, last < LANES ? (int)last : LANES);
+                        i = i_next;
+                    }
                 }
             }
         }

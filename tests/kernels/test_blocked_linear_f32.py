@@ -1,7 +1,7 @@
 """The blocked kernel's fp32 path (kernels/cpu/blocked_linear.c, strata_blocked_linear_f32): fp32
 activations over bf16 weights in the blocked layout, against a float64 matmul of the same values;
-both tiles (direct: 1-5 rows, one row over 1-4 blocks; panel: 64 rows and more, 1-6 row
-remainders), passes over the inputs and rows, a partial last block, strided inputs, the bias, the
+both tiles (direct: 1-5 rows, one row over 1-4 blocks, two or three over 2; panel: 64 rows and
+more, tiles of near-equal heights), passes over the inputs and rows, a partial last block, strided inputs, the bias, the
 same bits for a row in any batch; and the layer that holds an fp32 weight of bf16 values."""
 
 import pytest
@@ -29,13 +29,16 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 
 # (out features, in features, rows): partial blocks (N of 1, 17, 40, 97); one row over 1-4 blocks
 # (on 2 threads: N = 48, shares of 1 and 2 blocks; 222, 7 each: tiles of 4 and 3; 250, 8 each, the
-# last tile of 4 ending in the partial block); direct tiles of 2-5 rows and every
-# remainder (rows 2-9); panel tiles from 64 rows (every remainder of 6: rows 64-69; 130 and 300
-# rows: passes of 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
+# last tile of 4 ending in the partial block); two and three rows over 2 blocks (N = 56 and 40: a
+# thread's tile of 2 ending in the partial block; 97 by 600: 3 and 4 blocks a thread, over passes);
+# direct tiles of 2-5 rows and pass heights split near-evenly (rows 6-9: 3+3, 4+3, 4+4, 5+4);
+# panel tiles from 64 rows (rows 64-69: 11 or 12 tiles of 5 and 6; 130 and 300 rows: passes of
+# 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
           (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
           (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
-          (64, 1024, 69), (50, 600, 130), (222, 64, 1), (250, 64, 1)]
+          (64, 1024, 69), (50, 600, 130), (222, 64, 1), (250, 64, 1), (56, 64, 2), (97, 600, 3),
+          (97, 600, 2)]
 
 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
@@ -80,15 +83,15 @@ def test_bf16_exact_reads_the_low_bits():
 
 def test_a_row_gets_the_same_bits_in_any_batch():
     """Every path sums a channel from its bias in input order (fp32 y between passes), so the
-    direct tile, one row over 4 blocks (N = 118: 8 blocks, 4 a thread on 2) and the panel tile
-    agree to the bit."""
+    direct tile, one row over 4 blocks (N = 118: 8 blocks, 4 a thread on 2), two and three over 2,
+    and the panel tile agree to the bit, whatever heights a batch's tiles get."""
     g = torch.Generator().manual_seed(3)
     w, bias = bf16_valued(118, 600, generator=g), torch.randn(118, generator=g)
     packed = blocked_linear.pack(w.bfloat16(), bias)
     x = torch.randn(130, 600, generator=g)
     whole = blocked_linear.linear(x, packed)
     assert_fp32_product(whole, x, w, bias)
-    for rows in (1, 2, 5, 63, 64, 127):
+    for rows in (1, 2, 3, 5, 16, 63, 64, 127):
         assert torch.equal(blocked_linear.linear(x[-rows:], packed), whole[-rows:])
 
 
