@@ -184,8 +184,8 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
 /* Tiles of one or two blocks read one or two streams of weights, which the hardware prefetchers
  * (stopping at every 4 KB page) leave short of the memory's bandwidth: those tiles fetch ahead
  * themselves. In an ad-hoc A/B on Zen 3 (M's and L's shapes) this ran 1.2-1.5x as fast at 4 rows
- * and up to 1.4x at 2, 8 and 16, though nothing at times when the memory was idle; 48 and 64
- * pairs ran alike, 96 slower; the one-row tile (4 streams, at the memory's bandwidth) lost. */
+ * and up to 1.4x at 2, 8 and 16, though one run of three showed nothing; 48 and 64 pairs ran
+ * alike, 96 slower; the one-row tile (4 streams, at the memory's bandwidth) lost. */
 #define F32_PREFETCH_PAIRS 48
 #define DIRECT_ROWS 5
 #define PANEL_ROWS 6

@@ -1,8 +1,9 @@
 """The blocked kernel's fp32 path (kernels/cpu/blocked_linear.c, strata_blocked_linear_f32): fp32
 activations over bf16 weights in the blocked layout, against a float64 matmul of the same values;
 both tiles (direct: 1-5 rows, one row over 1-4 blocks, two or three over 2; panel: 64 rows and
-more, tiles of near-equal heights), passes over the inputs and rows, a partial last block, strided inputs, the bias, the
-same bits for a row in any batch; and the layer that holds an fp32 weight of bf16 values."""
+more; a pass's rows in tiles of near-equal heights), passes over the inputs and rows, a partial
+last block, strided inputs, the bias, the same bits for a row in any batch; and the layer that
+holds an fp32 weight of bf16 values."""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 # (on 2 threads: N = 48, shares of 1 and 2 blocks; 222, 7 each: tiles of 4 and 3; 250, 8 each, the
 # last tile of 4 ending in the partial block); two and three rows over 2 blocks (N = 56 and 40: a
 # thread's tile of 2 ending in the partial block; 97 by 600: 3 and 4 blocks a thread, over passes);
-# direct tiles of 2-5 rows and pass heights split near-evenly (rows 6-9: 3+3, 4+3, 4+4, 5+4);
+# direct tiles of 2-5 rows and pass heights split near-evenly (rows 6-9: 3+3, 3+4, 4+4, 4+5);
 # panel tiles from 64 rows (rows 64-69: 11 or 12 tiles of 5 and 6; 130 and 300 rows: passes of
 # 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
