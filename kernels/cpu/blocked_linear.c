@@ -333,7 +333,7 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
     /* one row runs over 4 blocks and two or three over 2, so that 8 to 12 sums are in flight: with
      * fewer, each sum's chain of FMAs waits on the last (2 and 3 rows ran 1.2-1.3x slower) */
     const int tile_blocks = M == 1 ? 4 : M <= 3 ? 2 : 1;
-    const int tile_rows = panel ? PANEL_ROWS : M < DIRECT_ROWS ? (int)M : DIRECT_ROWS;
+    const int tile_rows = panel ? PANEL_ROWS : DIRECT_ROWS; /* the most a tile takes: passes split evenly */
     #pragma omp parallel num_threads(num_threads) if(n_blocks > 1)
     {
         float panel_buf[F32_KC * LANES] __attribute__((aligned(32)));
