@@ -160,8 +160,9 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  * weights, from half the bytes. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in
  * its high half, so w << 16 and w & 0xffff0000 are the two fp32 weights.
  *
- * Work: each thread takes a contiguous share of the blocks of 16 channels and walks it once per
- * pass of F32_KC inputs (the pass's slice of a tile's rows stays in L1) and F32_MC rows. y holds
+ * Work: each thread takes a contiguous share of the blocks of 16 channels and walks it (for up to
+ * F32_MC rows, group by group: F32_GROUP_Y_BYTES) once per pass of F32_KC inputs (the pass's slice
+ * of a tile's rows stays in L1) and F32_MC rows. y holds
  * the sums between passes (fp32 to fp32: exact), so every output is summed from its bias in input
  * order whatever the tile, path or thread count: a row gets the same bits in any batch.
  *
@@ -187,6 +188,12 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  * and up to 1.4x at 2, 8 and 16, though one run of three showed nothing; 48 and 64 pairs ran
  * alike, 96 slower; the one-row tile (4 streams, at the memory's bandwidth) lost. */
 #define F32_PREFETCH_PAIRS 48
+/* Each pass resumes the sums in y. For a wide weight they came back from memory every pass (L's
+ * lm_head: 64 rows of sums are 39 MB), each tile waiting on its first loads. Up to F32_MC rows, a
+ * thread's blocks run in groups of at most this many bytes of sums, each group's passes before the
+ * next group: at 4-64 rows L's lm_head ran 1.14-1.28x as fast (Zen 3, ad-hoc A/B; 128 KB ran
+ * alike, 512 KB slower), the other shapes within the noise. */
+#define F32_GROUP_Y_BYTES (32 * 1024)
 #define DIRECT_ROWS 5
 #define PANEL_ROWS 6
 /* Every loop over a tile's rows and blocks is unrolled before gcc scalarizes the sums: left to its
@@ -334,29 +341,36 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
      * fewer, each sum's chain of FMAs waits on the last (2 and 3 rows ran 1.2-1.3x slower) */
     const int tile_blocks = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const int tile_rows = panel ? PANEL_ROWS : DIRECT_ROWS; /* the most a tile takes: passes split evenly */
+    /* a thread's blocks run in groups whose sums stay in cache between passes; prefill chunks (more
+     * than F32_MC rows) run all of them each pass (grouping them there was within the noise) */
+    const long group_blocks = M > F32_MC ? n_blocks : F32_GROUP_Y_BYTES / (M * LANES * (long)sizeof(float));
+    const long group = group_blocks < tile_blocks ? tile_blocks : group_blocks / tile_blocks * tile_blocks;
     #pragma omp parallel num_threads(num_threads) if(n_blocks > 1)
     {
         float panel_buf[F32_KC * LANES] __attribute__((aligned(32)));
         const long t = omp_get_thread_num(), threads = omp_get_num_threads();
         const long j_begin = n_blocks * t / threads, j_end = n_blocks * (t + 1) / threads;
-        for (long k0 = 0; k0 < K; k0 += F32_KC) {
-            const long inputs = K - k0 < F32_KC ? K - k0 : F32_KC;
-            for (long i0 = 0; i0 < M; i0 += F32_MC) {
-                const long i_end = i0 + F32_MC < M ? i0 + F32_MC : M;
-                for (long j = j_begin; j < j_end; j += tile_blocks) {
-                    const int blocks = j_end - j < tile_blocks ? (int)(j_end - j) : tile_blocks;
-                    const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
-                    const long last = N - (j + blocks - 1) * LANES;
-                    if (panel) widen(wj, inputs / 2, panel_buf);
-                    /* the pass's rows in as few tiles as tile_rows allows, of near-equal heights: a thin
-                     * last tile (16 rows as 5+5+5+1) has too few sums to keep the FMA units busy */
-                    const long tiles = (i_end - i0 + tile_rows - 1) / tile_rows;
-                    for (long t_i = 0, i = i0; t_i < tiles; t_i++) {
-                        const long i_next = i0 + (i_end - i0) * (t_i + 1) / tiles;
-                        tile_f32(panel ? panel_buf : NULL, (int)(i_next - i), blocks, x + i * x_stride + k0,
-                                 x_stride, wj, block_words, inputs, bias ? bias + j * LANES : NULL, k0 > 0,
-                                 y + i * y_stride + j * LANES, y_stride, last < LANES ? (int)last : LANES);
-                        i = i_next;
+        for (long g = j_begin; g < j_end; g += group) {
+            const long g_end = g + group < j_end ? g + group : j_end;
+            for (long k0 = 0; k0 < K; k0 += F32_KC) {
+                const long inputs = K - k0 < F32_KC ? K - k0 : F32_KC;
+                for (long i0 = 0; i0 < M; i0 += F32_MC) {
+                    const long i_end = i0 + F32_MC < M ? i0 + F32_MC : M;
+                    for (long j = g; j < g_end; j += tile_blocks) {
+                        const int blocks = g_end - j < tile_blocks ? (int)(g_end - j) : tile_blocks;
+                        const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
+                        const long last = N - (j + blocks - 1) * LANES;
+                        if (panel) widen(wj, inputs / 2, panel_buf);
+                        /* the pass's rows in as few tiles as tile_rows allows, of near-equal heights: a
+                         * thin last tile (16 rows as 5+5+5+1) has too few sums to keep the FMA units busy */
+                        const long tiles = (i_end - i0 + tile_rows - 1) / tile_rows;
+                        for (long t_i = 0, i = i0; t_i < tiles; t_i++) {
+                            const long i_next = i0 + (i_end - i0) * (t_i + 1) / tiles;
+                            tile_f32(panel ? panel_buf : NULL, (int)(i_next - i), blocks, x + i * x_stride + k0,
+                                     x_stride, wj, block_words, inputs, bias ? bias + j * LANES : NULL, k0 > 0,
+                                     y + i * y_stride + j * LANES, y_stride, last < LANES ? (int)last : LANES);
+                            i = i_next;
+                        }
                     }
                 }
             }

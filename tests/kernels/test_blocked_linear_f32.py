@@ -34,12 +34,14 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 # thread's tile of 2 ending in the partial block; 97 by 600: 3 and 4 blocks a thread, over passes);
 # direct tiles of 2-5 rows and pass heights split near-evenly (rows 6-9: 3+3, 3+4, 4+4, 4+5);
 # panel tiles from 64 rows (rows 64-69: 11 or 12 tiles of 5 and 6; 130 and 300 rows: passes of
-# 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024).
+# 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024); a thread's
+# blocks in several groups of 32 KB of sums (1, 3, 9, 64 and 120 rows: groups of 512, 170, 56, 8
+# and 4 blocks, the last group short and ending in the partial block).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
           (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
           (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
           (64, 1024, 69), (50, 600, 130), (222, 64, 1), (250, 64, 1), (56, 64, 2), (97, 600, 3),
-          (97, 600, 2)]
+          (97, 600, 2), (17000, 300, 1), (5600, 300, 3), (2000, 300, 9), (630, 600, 64), (200, 600, 120)]
 
 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
@@ -82,12 +84,15 @@ def test_bf16_exact_reads_the_low_bits():
     assert not blocked_linear.packable_as_bf16(torch.randn(8, 8))  # off the bf16 grid
 
 
-def test_a_row_gets_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("n", [118, 1000])
+def test_a_row_gets_the_same_bits_in_any_batch(n):
     """Every path sums a channel from its bias in input order (fp32 y between passes), so the
     direct tile, one row over 4 blocks (N = 118: 8 blocks, 4 a thread on 2), two and three over 2,
-    and the panel tile agree to the bit, whatever heights a batch's tiles get."""
+    and the panel tile agree to the bit, whatever heights a batch's tiles get, and whether a
+    thread's blocks run in one group or several (N = 1000: 31 and 32 blocks a thread, in groups of
+    8 at 63 and 64 rows)."""
     g = torch.Generator().manual_seed(3)
-    w, bias = bf16_valued(118, 600, generator=g), torch.randn(118, generator=g)
+    w, bias = bf16_valued(n, 600, generator=g), torch.randn(n, generator=g)
     packed = blocked_linear.pack(w.bfloat16(), bias)
     x = torch.randn(130, 600, generator=g)
     whole = blocked_linear.linear(x, packed)
