@@ -47,6 +47,15 @@ static void scores16_i8(const float *q, const int8_t *k, long row, int head_dim,
     _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 #define SCORES16_I8(q, k, row, d, scale, out) scores16_i8(q, k, row, d, scale, out)
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8_i8(const int8_t *p, int left) {
+    int8_t part[8] = {0};
+    if (left >= 8) memcpy(part, p, 8);
+    else for (int i = 0; i < left; i++) part[i] = p[i];
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)part)));
+}
+DEFINE_SCORES16_AVX2(scores16_i8, float, load8_f32, int8_t, load8_i8)
+#define SCORES16_I8(q, k, row, d, scale, out) scores16_i8(q, k, row, d, scale, out)
 #else
 #define SCORES16_I8(q, k, row, d, scale, out) ((void)0)
 #endif

@@ -62,7 +62,7 @@ def test_quantized_linear_refuses_bad_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (4, 1, 80)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (4, 1, 80), (6, 2, 36)])
 def test_int8_kv_decode_kernel_equals_attention_over_the_dequantized_cache(dtype, num_heads, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     block_size, lens = 16, [1, 15, 16, 37, 300, 1100]  # spans split a long context when the batch is small
