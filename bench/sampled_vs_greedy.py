@@ -13,7 +13,7 @@ time over sampled); the figure is the median over rounds.
 
     python bench/sampled_vs_greedy.py [--shapes M,L] [--batch 32] [--rounds 4] [--steps 30]
 
-Writes bench/results/sampled_vs_greedy.json and .png.
+Writes bench/results/sampled_vs_greedy.json and a PNG beside it (--out, --png).
 """
 
 from __future__ import annotations
@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/sampled_vs_greedy.json")
-    ap.add_argument("--png", default="bench/results/sampled_vs_greedy.png")
+    ap.add_argument("--png", help="default: --out's path with .png")
     args = ap.parse_args(argv)
+    args.png = args.png or str(Path(args.out).with_suffix(".png"))
     if args.rounds < 1 or args.steps < 1 or args.batch < 1:
         ap.error("--rounds, --steps and --batch must be at least 1")
     shapes = {key: run_shape(key, args) for key in args.shapes}
