@@ -64,8 +64,9 @@ static inline void scores16_bf16(const uint16_t *q, const uint16_t *k, long row,
 #define SCORES16_BF16(q, k, row, d, scale, out) scores16_bf16(q, k, row, d, scale, out)
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (16 registers): two halves of 8 rows, 8 sums each, one transpose-add tree a half. A dot
- * product at a time chained its FMAs through one sum and paid a horizontal sum each: M's decode
- * attention at batch 64 ran at about 15 GFLOP/s on a Zen 3. */
+ * product at a time chained its FMAs through one sum and paid a horizontal sum each: on a Zen 3
+ * the fp32 decode kernel ran 1.1-1.4x faster this way at M's batch 64 (8 heads, 4 KV heads),
+ * 1.5-1.7x at L's (14 and 2), 1.3-2.3x on one 2048-token context (ad-hoc A/B). */
 #include <immintrin.h>
 
 static inline __m256 reduce8(const __m256 *a) {  /* lane j = sum of a[j]'s 8 lanes */
