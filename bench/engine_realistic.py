@@ -97,15 +97,18 @@ class Sizes:
     repeats: int = 3  # runs of each point; the median counts
 
 
-# Sized so that the whole run takes about an hour on 2 cores (L dominates: ~40 minutes).
+# Sized so that the whole run takes about an hour on 2 cores (L dominates: ~40 minutes). A decode
+# point is the difference of two runs that share their prefill, so the decode steps are sized to
+# take about half of the longer run or more at batch 64: at 16 tokens after 64-token prompts they
+# were a quarter of it at L, and the machine's noise on the prefill moved L's b32 and b64 by 2x.
 FULL = {
     "S": Sizes(128, (16, 512), (16, 256), decode_tokens=64),
-    "M": Sizes(64, (16, 512), (16, 256)),
-    "L": Sizes(24, (16, 256), (16, 64), decode_prompt_len=64, decode_tokens=16, repeats=1),
+    "M": Sizes(64, (16, 512), (16, 256), decode_tokens=64),
+    "L": Sizes(24, (16, 256), (16, 64), decode_prompt_len=64, decode_tokens=64, repeats=1),
 }
 QUICK = {
     key: Sizes(16, (16, 128), (8, 32), prefill_lens=(128, 512), prefill_tokens=512, decode_batches=(1, 16, 64),
-               decode_prompt_len=64, decode_tokens=16, repeats=2 if key != "L" else 1)
+               decode_prompt_len=64, decode_tokens=32, repeats=2 if key != "L" else 1)
     for key in SHAPES
 }
 
@@ -444,7 +447,9 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
     """tokens/s per mode and runner: throughput (output), prefill by prompt length, decode by batch."""
     out = {}
     for mode in modes:
-        fig = {"throughput": {}, "prefill": {}, "decode": {}, "unreliable": [],
+        # decode_share: the decode steps' share of each decode point's longer run (how far its rate
+        # stands above the prefill's noise)
+        fig = {"throughput": {}, "prefill": {}, "decode": {}, "decode_share": {}, "unreliable": [],
                "noisy": sorted(f"{runner} {workload}" for workload, per_runner in result["runs"][mode].items()
                                for runner, run in per_runner.items() if run.get("noisy"))}
         for runner in result["runners"]:
@@ -459,6 +464,7 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
                 if not (first and full):
                     continue
                 extra = full["seconds"] - first["seconds"]
+                fig["decode_share"].setdefault(str(batch), {})[runner] = round(extra / full["seconds"], 3)
                 if extra < MIN_DECODE_SHARE * full["seconds"]:  # decoding drowned in the prefill's noise
                     fig["unreliable"].append(f"{runner} decode b{batch}: {full['seconds']:.3f} s with "
                                              f"{sizes.decode_tokens} tokens vs {first['seconds']:.3f} s with 1")
