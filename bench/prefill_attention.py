@@ -2,7 +2,7 @@
 """CPU prefill attention: the C kernel (kernels/cpu/prefill_attention.c) vs torch's SDPA, as
 TorchAttention._prefill runs them (the same call with the kernels on and off), per layer.
 
-One sequence with no cached prefix, bf16, block_size 16 with the blocks scattered over the
+One sequence with no cached prefix, bf16 (or fp32: --dtype), block_size 16 with the blocks scattered over the
 cache, at the M shape (Llama: 8 heads / 4 KV heads, head_dim 64), the L shape (Qwen2.5-0.5B: 14
 / 2, head_dim 64) and 16 / 2 at head_dim 128, prompts of 128 to 4096 tokens. Prints ms per layer
 (best of at least --repeats calls after a warm-up, more for short calls: the machine may be
@@ -11,6 +11,7 @@ speed-up of the best times; writes bench/results/prefill_attention.json.
 
     python bench/prefill_attention.py                 # 2 threads
     python bench/prefill_attention.py --threads 1 --lengths 512 2048
+    python bench/prefill_attention.py --dtype fp32    # as an fp32 model runs (an AVX2-only CPU's dtype=auto)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from bench.common import write_results  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
 from services.engine.attention import AttentionMetadata, TorchAttention  # noqa: E402
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = {"M (8/4, d64)": (8, 4, 64), "L (14/2, d64)": (14, 2, 64), "16/2, d128": (16, 2, 128)}
 BLOCK = 16
 
@@ -39,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--out", default=str(HERE / "results" / "prefill_attention.json"))
     return p.parse_args(argv)
 
@@ -88,7 +91,7 @@ def main(argv=None) -> None:
     print(f"{'shape':<16}{'tokens':>8}{'SDPA ms':>10}{'kernel ms':>11}{'speed-up':>10}")
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         for length in args.lengths:
-            attn, (q, k, v, kc, vc, meta) = setup(heads, kv_heads, head_dim, length)
+            attn, (q, k, v, kc, vc, meta) = setup(heads, kv_heads, head_dim, length, DTYPES[args.dtype])
             out = torch.empty_like(q)
             times, medians = {}, {}
             for label, on in (("sdpa", False), ("kernel", True)):
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
                              kernel_median_ms=round(medians["kernel"], 3), max_abs_diff=err))
             print(f"{name:<16}{length:>8}{times['sdpa']:>10.2f}{times['kernel']:>11.2f}{speedup:>9.2f}x"
                   f"   (max |diff| {err:.3g})")
-    write_results(args.out, args, {"dtype": "bf16", "block_size": BLOCK, "results": rows})
+    write_results(args.out, args, {"dtype": args.dtype, "block_size": BLOCK, "results": rows})
 
 
 if __name__ == "__main__":

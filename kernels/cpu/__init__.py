@@ -240,20 +240,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
 def has_avx512f() -> bool:
     """This CPU has AVX-512 (foundation): the C objects are built for it (-march=native), and
     oneDNN's fp32 kernels are 512 bits wide there."""
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "avx512f" in _cpu_flags()
 
 
 def prefill_kernel_vectorized() -> bool:
-    """The prefill kernel's micro-kernels are AVX-512 (the object is built for this CPU). On a CPU
-    without it their plain C loops, though vectorized, run 1.4-3.5x slower than torch's SDPA
-    (bench/prefill_attention.py on an AVX2 Zen 3), so the engine's prefill takes SDPA there."""
-    return has_avx512f()
+    """The prefill kernel has micro-kernels for this CPU (the object is built for it): AVX-512, or
+    AVX2 with FMA, where it ran 1.15-2.25x as fast as torch's SDPA on a Zen 3 (fp32, M's and L's
+    heads at 512 and 2048 tokens: bench/prefill_attention.py --dtype fp32). Elsewhere its plain C
+    loops run slower than SDPA, so the engine's prefill takes SDPA there."""
+    return has_avx512f() or {"avx2", "fma"} <= _cpu_flags()
 
 
 def paged_prefill_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

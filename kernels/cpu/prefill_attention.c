@@ -27,8 +27,8 @@
  *   (adjacent in its row) is broadcast. P is rounded to bf16 for the P x V product (its row sum,
  *   the softmax denominator, is kept in fp32 from the unrounded values).
  * fp32 (and bf16 without AVX512-BF16, widened when packed): K [D][BN] (K^T), V [BN][D], fp32 P.
- * Without AVX-512 the same passes run as plain C loops of fixed width that the compiler
- * vectorizes (AVX2: 8 lanes).
+ * With AVX2 and FMA (no AVX-512) the micro-kernels take 6 rows x 16 lanes in two vectors; elsewhere
+ * the same passes run as plain C loops of fixed width that the compiler vectorizes.
  *
  * Output rounded once, O / l, to the query's dtype. Layouts: q and out [tokens, num_heads,
  * head_dim] with a token stride (q may be a view into the fused qkv projection); caches
@@ -43,7 +43,7 @@
 
 #include "strata_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -262,8 +262,54 @@ DEFINE_ENGINE(f32, float, float)
 #if HAVE_DPBF16
 DEFINE_ENGINE(bf16, uint16_t, uint16_t)
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (16 registers): the same tiles, 6 rows x 16 lanes (two vectors) at a time: 12 sums, two
+ * loads and six broadcasts a step, the usual AVX2 sgemm tile. The plain loops below kept one row
+ * a time, so the P x V sums waited on each other (two chains of FMAs) and the scores on loads. */
+static void scores_f32(const void *qv, int D, const void *ktv, float *s, int nk) {
+    const float *q = (const float *)qv, *kt = (const float *)ktv;
+    for (int j0 = 0; j0 < nk; j0 += 16) {  /* keys past nk: not read by the softmax */
+        __m256 acc[RT][2];
+        _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt + (long)d * BN + j0), k1 = _mm256_loadu_ps(kt + (long)d * BN + j0 + 8);
+            _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) {
+                const __m256 qb = _mm256_broadcast_ss(q + (long)r * D + d);
+                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) {
+            _mm256_storeu_ps(s + (long)r * BN + j0, acc[r][0]);
+            _mm256_storeu_ps(s + (long)r * BN + j0 + 8, acc[r][1]);
+        }
+    }
+}
+static void pv_f32(const void *pv, const void *vtv, int D, int nk, float *o, const float *alpha) {
+    const float *p = (const float *)pv, *vt = (const float *)vtv;
+    for (int d0 = 0; d0 < D; d0 += 16) {  /* head_dim is a multiple of 16 */
+        __m256 acc[RT][2];
+        _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) {
+            const __m256 a = _mm256_broadcast_ss(alpha + r);
+            acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (long)r * D + d0), a);
+            acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (long)r * D + d0 + 8), a);
+        }
+        for (int j = 0; j < nk; j++) {
+            const __m256 v0 = _mm256_loadu_ps(vt + (long)j * D + d0), v1 = _mm256_loadu_ps(vt + (long)j * D + d0 + 8);
+            _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) {
+                const __m256 pb = _mm256_broadcast_ss(p + (long)r * BN + j);
+                acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+            }
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++) {
+            _mm256_storeu_ps(o + (long)r * D + d0, acc[r][0]);
+            _mm256_storeu_ps(o + (long)r * D + d0 + 8, acc[r][1]);
+        }
+    }
+}
 #else
-/* Plain C (AVX2 and others): the same tiles, in loops of fixed width over contiguous data so
+/* Plain C (no AVX-512, no AVX2): the same tiles, in loops of fixed width over contiguous data so
  * that the compiler keeps them in vector registers. Scores: one row x BN keys (padded keys are
  * zero in the tile, so all BN are computed). P x V: one row x 16 dims at a time. */
 static void scores_f32(const void *qv, int D, const void *ktv, float *s, int nk) {
@@ -305,6 +351,31 @@ static void pv_f32(const void *pv, const void *vtv, int D, int nk, float *o, con
  * holds, as it mostly does after the first tiles). */
 #if defined(__AVX512F__)
 #define L_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define L_LANES 8
+#define AVX2_SOFTMAX 1
+/* 2^x for x <= 0 (-inf and below -126: 0), eight at a time: exp2_neg's polynomial, 2^n built in
+ * the exponent bits (n + 127 is 1..127 after the clamp). */
+static inline __m256 exp2_neg8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+/* Lanes j0 + i < nvalid of a row: all ones, the rest zero. */
+static inline __m256 valid8(int j0, int nvalid) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - j0), lane));
+}
 #else
 #define L_LANES 1
 #endif
@@ -318,6 +389,14 @@ static inline float softmax_row(const float *s, int nvalid, int width, float c, 
         vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j));
     }
     mx = _mm512_reduce_max_ps(vmax);
+#elif defined(AVX2_SOFTMAX)
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vmax = ninf;
+    for (int j = 0; j < nvalid; j += 8)  /* s holds BN scores a row: a whole vector is in bounds */
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j), valid8(j, nvalid)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     for (int j = 0; j < nvalid; j++) mx = s[j] > mx ? s[j] : mx;
 #endif
@@ -347,6 +426,16 @@ static inline float softmax_row(const float *s, int nvalid, int width, float c, 
         }
     }
     _mm512_storeu_ps(l, vsum);
+#elif defined(AVX2_SOFTMAX)
+    const __m256 vc = _mm256_set1_ps(c), vm = _mm256_set1_ps(m_new);
+    __m256 vsum = _mm256_mul_ps(_mm256_loadu_ps(l), _mm256_set1_ps(alpha));
+    (void)p_bf16;  /* P is fp32 here */
+    for (int j = 0; j < width; j += 8) {
+        const __m256 e = _mm256_and_ps(valid8(j, nvalid), exp2_neg8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vc, vm)));
+        vsum = _mm256_add_ps(vsum, e);
+        _mm256_storeu_ps((float *)p + j, e);
+    }
+    _mm256_storeu_ps(l, vsum);
 #else
     float *pf = (float *)p, sum = 0.f;
     (void)p_bf16;

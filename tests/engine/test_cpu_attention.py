@@ -286,13 +286,17 @@ def test_c_prefill_kernel_rejects_bad_inputs():
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
-@pytest.mark.parametrize("flags", [["-O2"], ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]],
-                         ids=["plain-c", "avx512-no-bf16"])
+@pytest.mark.parametrize("flags", [["-O2"], ["-O2", "-mavx2", "-mfma"],
+                                   ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]],
+                         ids=["plain-c", "avx2", "avx512-no-bf16"])
 def test_c_prefill_kernel_fallbacks(flags, tmp_path):
-    """The builds for CPUs without AVX-512 (plain C) and without AVX512-BF16 (bf16 widened to the
-    fp32 tiles), compiled here and called directly."""
-    if "-mavx512f" in flags and "avx512f" not in Path("/proc/cpuinfo").read_text():
+    """The builds for CPUs without AVX2 (plain C), with AVX2 but no AVX-512 (8-lane tiles) and
+    without AVX512-BF16 (bf16 widened to the fp32 tiles), compiled here and called directly."""
+    cpu_flags = Path("/proc/cpuinfo").read_text().split()
+    if "-mavx512f" in flags and "avx512f" not in cpu_flags:
         pytest.skip("no AVX-512 on this CPU")
+    if "-mavx2" in flags and not {"avx2", "fma"} <= set(cpu_flags):
+        pytest.skip("no AVX2 and FMA on this CPU")
     src = Path(cpu_kernels.__file__).with_name("prefill_attention.c")
     so = tmp_path / "prefill.so"
     subprocess.run(["gcc", *flags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(so), "-lm"], check=True)
@@ -313,8 +317,8 @@ def test_c_prefill_kernel_fallbacks(flags, tmp_path):
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_uses_c_kernel_and_matches_sdpa_path(dtype, monkeypatch):
-    """TorchAttention._prefill calls the kernel for CPU fp32/bf16 where the CPU has AVX-512 (SDPA
-    elsewhere: prefill_kernel_vectorized), and the kernel agrees with the SDPA path."""
+    """TorchAttention._prefill calls the kernel for CPU fp32/bf16 where the CPU has AVX-512 or AVX2
+    (SDPA elsewhere: prefill_kernel_vectorized), and the kernel agrees with the SDPA path."""
     chunks = [(0, 40), (32, 21), (45, 19)]
     q, kc, vc, tables, starts, ctx = prefill_case(12, chunks, 2, 7, 64, dtype)
     ctx_host, qlens = ctx.tolist(), [n for _, n in chunks]
