@@ -44,7 +44,7 @@ class TorchAttention:
 
     On CPU with fp32 or bf16, decode and prefill use the C kernels in kernels.cpu instead, which
     read the cache through the block table without the gather copy (prefill: flash attention,
-    kernels/cpu/prefill_attention.c, where the CPU has AVX-512: elsewhere SDPA is faster).
+    kernels/cpu/prefill_attention.c, where the CPU has AVX-512 or AVX2: elsewhere SDPA is faster).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
