@@ -354,22 +354,14 @@ static void pv_f32(const void *pv, const void *vtv, int D, int nk, float *o, con
 #elif defined(__AVX2__) && defined(__FMA__)
 #define L_LANES 8
 #define AVX2_SOFTMAX 1
-/* 2^x for x <= 0 (-inf and below -126: 0), eight at a time: exp2_neg's polynomial, 2^n built in
- * the exponent bits (n + 127 is 1..127 after the clamp). */
+/* 2^x for x <= 0 (-inf and below -126: 0), eight at a time: exp2_neg with 2^n built in the
+ * exponent bits (n + 127 is 1..127 after the clamp). */
 static inline __m256 exp2_neg8(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_and_ps(keep, _mm256_mul_ps(exp2_poly8(_mm256_sub_ps(x, n)), _mm256_castsi256_ps(e)));
 }
 /* Lanes j0 + i < nvalid of a row: all ones, the rest zero. */
 static inline __m256 valid8(int j0, int nvalid) {
