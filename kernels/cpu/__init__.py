@@ -255,9 +255,9 @@ def has_avx512f() -> bool:
 
 def prefill_kernel_vectorized() -> bool:
     """The prefill kernel has micro-kernels for this CPU (the object is built for it): AVX-512, or
-    AVX2 with FMA, where it ran 1.15-2.25x as fast as torch's SDPA on a Zen 3 (fp32, M's and L's
-    heads at 512 and 2048 tokens: bench/prefill_attention.py --dtype fp32). Elsewhere its plain C
-    loops run slower than SDPA, so the engine's prefill takes SDPA there."""
+    AVX2 with FMA, where it ran 1.26-3.74x as fast as torch's SDPA on a Zen 3 (fp32, 128-4096
+    tokens: bench/results/prefill_attention_avx2_fp32_stop45.json). Elsewhere its plain C loops
+    run slower than SDPA, so the engine's prefill takes SDPA there."""
     return has_avx512f() or {"avx2", "fma"} <= _cpu_flags()
 
 

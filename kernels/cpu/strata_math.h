@@ -24,6 +24,16 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+/* Cephes' exp2f polynomial on [-0.5, 0.5], highest degree first: one definition for the scalar
+ * and vector forms below, so that every kernel's exp gives the same values. */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+#define EXP2_C0 1.0f
+
 static inline float strata_expf(float x) {
     /* Below -87.3 the result would be subnormal: return 0 (as softmax and silu need); above
      * 88.7 it overflows: clamp, so the caller sees FLT_MAX-scale values, not inf. */
@@ -34,13 +44,13 @@ static inline float strata_expf(float x) {
     const int n = (int)nf;
     const float f = t - nf;                              /* in [-0.5, 0.5] */
     /* 2^f: Cephes' exp2f polynomial */
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
+    p = p * f + EXP2_C0;
     const float r = p * bits_to_f32((uint32_t)(n + 127) << 23);
     return x < lo ? 0.f : r;
 }
@@ -50,13 +60,13 @@ static inline float strata_expf(float x) {
 
 /* 2^f for f in [-0.5, 0.5], eight at a time: strata_expf's polynomial (AVX2 without AVX-512). */
 static inline __m256 exp2_poly8(__m256 f) {
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
     return p;
 }
 #endif
@@ -67,13 +77,13 @@ static inline __m256 exp2_poly8(__m256 f) {
 /* 2^f for f in [-0.5, 0.5], sixteen at a time: strata_expf's polynomial (the AVX-512 kernels
  * scale it by 2^n with vscalefps). */
 static inline __m512 exp2_poly16(__m512 f) {
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
     return p;
 }
 
