@@ -3,7 +3,7 @@
 layer over that layer's own K/V cache, so each layer's blocks come from memory, not from a cache
 the previous call warmed (8 layers of M b32 at 145 tokens are 36 MB of bf16 KV; the L3 is 32 MB).
 
-Shapes (heads / KV heads, head_dim 64, bf16, block_size 16, every sequence's blocks scattered
+Shapes (heads / KV heads, head_dim 64, bf16 or --dtype fp32, block_size 16, every sequence's blocks scattered
 over the cache): M (8/4) and L (14/2, Qwen2.5-0.5B's group of 7) at the batches and contexts of
 bench/engine_realistic.py's decode points and longer. For each: microseconds per layer (median of
 --repeats passes over the layers), the KV bytes read per second, and the floor: a plain C pass
@@ -12,6 +12,7 @@ kernel's output is checked against the reference on the first layer.
 
     python bench/decode_attention.py                # 2 threads, writes bench/results/decode_attention.json
     python bench/decode_attention.py --threads 1 --cases 32x145 64x300
+    python bench/decode_attention.py --dtype fp32   # the caches --dtype auto gives a CPU without bf16
 """
 
 from __future__ import annotations
@@ -45,19 +46,19 @@ DEFAULT_CASES = ["1x145", "4x145", "32x145", "64x145", "32x600", "1x1000"]
 # costs for this access pattern.
 STREAM_C = r"""
 #include <stdint.h>
-long strata_stream_blocks(const uint16_t *k, const uint16_t *v, const int32_t *tables, int batch, int blocks,
-                          long block_elems, int threads) {
+long strata_stream_blocks(const char *k, const char *v, const int32_t *tables, int batch, int blocks,
+                          long block_bytes, int threads) {
     long total = 0;
     #pragma omp parallel for reduction(+:total) schedule(dynamic, 1) num_threads(threads)
     for (int b = 0; b < batch; b++)
         for (int pass = 0; pass < 2; pass++) {
-            const uint16_t *c = pass ? v : k;
+            const char *c = pass ? v : k;
             for (int i = 0; i < blocks; i++) {
-                const uint64_t *p = (const uint64_t *)(c + (long)tables[b * blocks + i] * block_elems);
+                const uint64_t *p = (const uint64_t *)(c + (long)tables[b * blocks + i] * block_bytes);
                 const char *ahead =
-                    i + 2 < blocks ? (const char *)(c + (long)tables[b * blocks + i + 2] * block_elems) : 0;
+                    i + 2 < blocks ? c + (long)tables[b * blocks + i + 2] * block_bytes : 0;
                 uint64_t s = 0;
-                for (long line = 0; line < block_elems / 32; line++) {  /* 64 bytes a line */
+                for (long line = 0; line < block_bytes / 64; line++) {
                     if (ahead) __builtin_prefetch(ahead + line * 64, 0, 2);
                     for (int j = 0; j < 8; j++) s += p[line * 8 + j];
                 }
@@ -75,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8, help="caches called in turn, one per layer")
     p.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="the cache's and the query's dtype (fp32: as --dtype auto runs on a CPU without bf16)")
     p.add_argument("--out", default=str(HERE / "results" / "decode_attention.json"))
     return p.parse_args(argv)
 
@@ -107,6 +110,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     stream = stream_kernel()
     g = torch.Generator().manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    elem_bytes = dtype.itemsize
     rows = []
     print(f"{'shape':<6}{'batch':>6}{'context':>9}{'kernel us':>11}{'GB/s':>7}{'floor us':>10}{'GB/s':>7}"
           f"{'kernel/floor':>14}")
@@ -116,11 +121,12 @@ def main(argv=None) -> None:
         for name, (heads, kv_heads) in SHAPES.items():
             num_blocks = max(4096, 2 * batch * per_seq)
             shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
-            caches = [tuple(torch.randn(shape, generator=g).to(torch.bfloat16) for _ in "kv")
-                      for _ in range(args.layers)]
+            # in huge pages, as the engine allocates its caches (services/engine/quantization/kv_cache.py)
+            caches = [tuple(cpu_kernels.huge_page_empty(shape, dtype).copy_(torch.randn(shape, generator=g))
+                            for _ in "kv") for _ in range(args.layers)]
             tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
             lens = torch.full((batch,), context, dtype=torch.int32)
-            q = torch.randn(batch, heads, HEAD_DIM, generator=g).to(torch.bfloat16)
+            q = torch.randn(batch, heads, HEAD_DIM, generator=g).to(dtype)
             out = torch.empty_like(q)
             step = cpu_kernels.PagedDecode(tables, lens, HEAD_DIM ** -0.5)
             ref = paged_decode_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), tables, lens,
@@ -137,11 +143,11 @@ def main(argv=None) -> None:
             def floor():
                 for k_cache, v_cache in caches:
                     stream.strata_stream_blocks(k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), batch,
-                                                per_seq, BLOCK * kv_heads * HEAD_DIM, args.threads)
+                                                per_seq, BLOCK * kv_heads * HEAD_DIM * elem_bytes, args.threads)
 
             kernel_us = per_layer_us(kernel, args.layers, args.repeats)
             floor_us = per_layer_us(floor, args.layers, args.repeats)
-            kv_bytes = 2 * batch * per_seq * BLOCK * kv_heads * HEAD_DIM * 2
+            kv_bytes = 2 * batch * per_seq * BLOCK * kv_heads * HEAD_DIM * elem_bytes
             rows.append(dict(shape=name, heads=heads, kv_heads=kv_heads, batch=batch, context=context,
                              kernel_us=round(kernel_us, 1), floor_us=round(floor_us, 1),
                              kernel_gb_s=round(kv_bytes / kernel_us / 1e3, 2),
@@ -150,7 +156,7 @@ def main(argv=None) -> None:
             print(f"{name:<6}{batch:>6}{context:>9}{kernel_us:>11.1f}{kv_bytes / kernel_us / 1e3:>7.1f}"
                   f"{floor_us:>10.1f}{kv_bytes / floor_us / 1e3:>7.1f}{kernel_us / floor_us:>13.2f}x")
             del caches
-    write_results(args.out, args, {"dtype": "bf16", "head_dim": HEAD_DIM, "block_size": BLOCK,
+    write_results(args.out, args, {"dtype": args.dtype, "head_dim": HEAD_DIM, "block_size": BLOCK,
                                    "layers": args.layers, "results": rows})
 
 
