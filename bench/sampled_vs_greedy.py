@@ -6,12 +6,14 @@ bench/engine_realistic.py measures each mode in its own process, minutes apart; 
 more than sampling costs. Here one engine (one process, one set of weights) runs a batch of
 greedy requests, then the same prompts with engine_realistic's sampled parameters (temperature
 0.8, top_p 0.95, top_k 50, repetition_penalty 1.1, seeds 1000 + i), alternating for `--rounds`
-rounds (the order flips each round), and times `--steps` decode steps of each after a few
-warm-up steps. Per round it reports ms per step and the engine's own phase split
-(`LLM.stats()`'s step_<phase>_s), and the ratio of sampled to greedy throughput (greedy step
-time over sampled); the figure is the median over rounds.
+rounds (the order flips each round), and times `--steps` decode steps of each after its whole
+prefill (long prompts take several steps of chunks) and a few warm-up steps. Per round it
+reports ms per step and the engine's own phase split (`LLM.stats()`'s step_<phase>_s), and the
+ratio of sampled to greedy throughput (greedy step time over sampled); the figure is the median
+over rounds.
 
     python bench/sampled_vs_greedy.py [--shapes M,L] [--batch 32] [--rounds 4] [--steps 30]
+    python bench/sampled_vs_greedy.py --shapes M --batch 16 --prompt-len 1024   # long contexts
 
 Writes bench/results/sampled_vs_greedy.json and a PNG beside it (--out, --png).
 """
@@ -45,11 +47,20 @@ def params(mode: str, n: int, max_tokens: int) -> list:
 
 
 def timed_steps(llm, prompts: list[list[int]], mode: str, steps: int) -> dict:
-    """Adds one batch of `mode` requests, warms up (their prefill and a few decode steps), times
-    `steps` decode steps, then runs the batch to its end."""
+    """Adds one batch of `mode` requests, warms up (their whole prefill, however many chunks it
+    takes, then a few decode steps), times `steps` decode steps, then runs the batch to its end."""
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params(mode, len(prompts), WARMUP_STEPS + steps + 2))):
         engine.add_request(f"{mode}-{time.monotonic_ns()}-{i}", prompt, p)
+    # Long prompts take several steps of chunks, none of which may be timed: the prefill is over
+    # once a step gives every request a token.
+    new_tokens = 0
+    while new_tokens < len(prompts):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the batch ended before a step gave every request a token")
+        generated = llm.stats()["generated_tokens"]
+        engine.step()
+        new_tokens = llm.stats()["generated_tokens"] - generated
     for _ in range(WARMUP_STEPS):
         engine.step()
     before, start = llm.stats(), time.perf_counter()
