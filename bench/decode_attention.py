@@ -3,8 +3,9 @@
 layer over that layer's own K/V cache, so each layer's blocks come from memory, not from a cache
 the previous call warmed (8 layers of M b32 at 145 tokens are 36 MB of bf16 KV; the L3 is 32 MB).
 
-Shapes (heads / KV heads, head_dim 64, bf16 or --dtype fp32, block_size 16, every sequence's blocks scattered
-over the cache): M (8/4) and L (14/2, Qwen2.5-0.5B's group of 7) at the batches and contexts of
+Shapes (heads / KV heads, head_dim 64, bf16 or --dtype fp32, block_size 16, every sequence's
+blocks scattered over the cache, in huge pages as the engine's are): M (8/4) and L (14/2,
+Qwen2.5-0.5B's group of 7) at the batches and contexts of
 bench/engine_realistic.py's decode points and longer. For each: microseconds per layer (median of
 --repeats passes over the layers), the KV bytes read per second, and the floor: a plain C pass
 that only reads the same blocks (the kernel built beside the engine's, with the same flags). The
