@@ -34,6 +34,19 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 #define EXP2_C1 6.931472028550421e-1f
 #define EXP2_C0 1.0f
 
+/* The polynomial by Horner's rule over vectors of type V (SET1 broadcasts, FMA multiplies and
+ * adds): written once for every vector width. */
+#define DEFINE_EXP2_POLY(NAME, V, SET1, FMA)                                                       \
+static inline V NAME(V f) {                                                                        \
+    V p = SET1(EXP2_C6);                                                                           \
+    p = FMA(p, f, SET1(EXP2_C5));                                                                  \
+    p = FMA(p, f, SET1(EXP2_C4));                                                                  \
+    p = FMA(p, f, SET1(EXP2_C3));                                                                  \
+    p = FMA(p, f, SET1(EXP2_C2));                                                                  \
+    p = FMA(p, f, SET1(EXP2_C1));                                                                  \
+    return FMA(p, f, SET1(EXP2_C0));                                                               \
+}
+
 static inline float strata_expf(float x) {
     /* Below -87.3 the result would be subnormal: return 0 (as softmax and silu need); above
      * 88.7 it overflows: clamp, so the caller sees FLT_MAX-scale values, not inf. */
@@ -59,16 +72,7 @@ static inline float strata_expf(float x) {
 #include <immintrin.h>
 
 /* 2^f for f in [-0.5, 0.5], eight at a time: strata_expf's polynomial (AVX2 without AVX-512). */
-static inline __m256 exp2_poly8(__m256 f) {
-    __m256 p = _mm256_set1_ps(EXP2_C6);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
-    return p;
-}
+DEFINE_EXP2_POLY(exp2_poly8, __m256, _mm256_set1_ps, _mm256_fmadd_ps)
 #endif
 
 #if defined(__AVX512F__)
@@ -76,16 +80,7 @@ static inline __m256 exp2_poly8(__m256 f) {
 
 /* 2^f for f in [-0.5, 0.5], sixteen at a time: strata_expf's polynomial (the AVX-512 kernels
  * scale it by 2^n with vscalefps). */
-static inline __m512 exp2_poly16(__m512 f) {
-    __m512 p = _mm512_set1_ps(EXP2_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
-    return p;
-}
+DEFINE_EXP2_POLY(exp2_poly16, __m512, _mm512_set1_ps, _mm512_fmadd_ps)
 
 static inline __m512 bf16x16_widen(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
