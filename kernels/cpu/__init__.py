@@ -26,6 +26,11 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "la
                                                                  "quant_linear.c", "lora.c",
                                                                  "prefill_attention.c", "blocked_linear.c")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
+# The parts of -ffast-math that let gcc vectorize the dot products and sums, but not -ffast-math
+# itself: a shared object built with it sets flush-to-zero for the whole process that loads it
+# (crtfastmath), changing everyone's floating point.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -49,11 +54,7 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)
-    # The parts of -ffast-math that let gcc vectorize the dot products and sums, but not
-    # -ffast-math itself: a shared object built with it sets flush-to-zero for the whole process
-    # that loads it (crtfastmath), changing everyone's floating point.
-    flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-             "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
+    flags = list(CFLAGS)
     # -march=native: the object is only valid on this CPU model, so the CPU is part of the key.
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"strata_cpu_{key}.so"

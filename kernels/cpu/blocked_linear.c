@@ -175,6 +175,9 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  *   a pass of rows), then tiles of 6 rows by 16 channels (12 sums, the usual AVX2 sgemm tile) run
  *   over it, each step 2 loads, 6 broadcasts and 12 FMAs. At 64-2048 rows this runs 0.97-1.25x as
  *   fast as oneDNN's fp32 matmul on M's and L's shapes on a Zen 3 (bench/blocked_linear.py --fp32).
+ * With AVX-512 (32 registers of 16 lanes) one direct tile of up to 12 rows by 2 blocks takes every
+ * call (direct_tile_z). Against oneDNN's 512-bit fp32 matmul it wins at decode batches and loses
+ * at prefill chunks, where the engine keeps oneDNN (services/engine/linear.py, SMALL_CALL_ROWS).
  */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <omp.h>
@@ -293,6 +296,67 @@ static void widen(const uint32_t *w, long pairs, float *panel)
         }
 }
 
+#if defined(__AVX512F__)
+/* AVX-512: a block's 16 sums in one register. Up to Z_ROWS rows by two blocks (one row by four)
+ * hold 24 sums; a pair's weights are widened once into four registers and each row's two inputs
+ * broadcast once, so the shifts and masks are 4 of every 52 instructions and no fp32 panel is
+ * needed. Each sum adds its inputs in order, as the AVX2 tiles do: the same bits. */
+#define Z_ROWS 12
+/* unrolled fully (12 rows): at gcc's default 8 the sums stayed in memory and 32 rows ran 2x slower */
+#define Z_UNROLLED _Pragma("GCC unroll 16")
+static inline __attribute__((always_inline)) void direct_tile_z(const int rows, const int blocks, const float *x,
+                                                                long x_stride, const uint32_t *w, long block_words,
+                                                                long pairs, const float *bias, int resume, float *y,
+                                                                long y_stride)
+{
+    __m512 acc[Z_ROWS * 2]; /* rows * blocks <= 24 */
+#define SUM(m, b) acc[(m) * blocks + (b)]
+    Z_UNROLLED for (int m = 0; m < rows; m++)
+        Z_UNROLLED for (int b = 0; b < blocks; b++)
+            SUM(m, b) = resume ? _mm512_loadu_ps(y + m * y_stride + b * LANES)
+                        : bias ? _mm512_loadu_ps(bias + b * LANES) : _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    const long next_tile = blocks * block_words - pairs * LANES;
+    for (long p = 0; p < pairs; p++) {
+        __m512 w0[4], w1[4];
+        Z_UNROLLED for (int b = 0; b < blocks; b++) {
+            const uint32_t *words = w + b * block_words + p * LANES;
+            if (blocks <= 2)
+                _mm_prefetch((const char *)(words + (p + F32_PREFETCH_PAIRS < pairs ? 0 : next_tile)
+                                            + F32_PREFETCH_PAIRS * LANES), _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512(words);
+            w0[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            w1[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        }
+        Z_UNROLLED for (int m = 0; m < rows; m++) {
+            const __m512 even = _mm512_set1_ps(x[m * x_stride + 2 * p]);
+            const __m512 odd = _mm512_set1_ps(x[m * x_stride + 2 * p + 1]);
+            Z_UNROLLED for (int b = 0; b < blocks; b++) SUM(m, b) = _mm512_fmadd_ps(even, w0[b], SUM(m, b));
+            Z_UNROLLED for (int b = 0; b < blocks; b++) SUM(m, b) = _mm512_fmadd_ps(odd, w1[b], SUM(m, b));
+        }
+    }
+    Z_UNROLLED for (int m = 0; m < rows; m++)
+        Z_UNROLLED for (int b = 0; b < blocks; b++) _mm512_storeu_ps(y + m * y_stride + b * LANES, SUM(m, b));
+#undef SUM
+}
+
+#define Z_CASE(R, B) \
+    case (R) * 8 + (B): direct_tile_z(R, B, x, x_stride, w, block_words, inputs / 2, bias, resume, y, y_stride); return;
+static void tile_dispatch_f32(const float *panel, int rows, int blocks, const float *x, long x_stride,
+                              const uint32_t *w, long block_words, long inputs, const float *bias, int resume,
+                              float *y, long y_stride)
+{
+    (void)panel;
+    switch (rows * 8 + blocks) {
+        Z_CASE(1, 1) Z_CASE(1, 2) Z_CASE(1, 3) Z_CASE(1, 4)
+        Z_CASE(2, 1) Z_CASE(3, 1) Z_CASE(4, 1) Z_CASE(5, 1) Z_CASE(6, 1) Z_CASE(7, 1) Z_CASE(8, 1)
+        Z_CASE(9, 1) Z_CASE(10, 1) Z_CASE(11, 1) Z_CASE(12, 1)
+        Z_CASE(2, 2) Z_CASE(3, 2) Z_CASE(4, 2) Z_CASE(5, 2) Z_CASE(6, 2) Z_CASE(7, 2) Z_CASE(8, 2)
+        Z_CASE(9, 2) Z_CASE(10, 2) Z_CASE(11, 2) Z_CASE(12, 2)
+    }
+}
+#define TILE_MAX_SUMS (Z_ROWS * 2)
+#else
 /* Every tile shape, so that each loop above has constant bounds (registers, no spills). */
 #define DIRECT_CASE(R, B) \
     case (R) * 8 + (B): direct_tile(R, B, x, x_stride, w, block_words, inputs / 2, bias, resume, y, y_stride); return;
@@ -308,6 +372,8 @@ static void tile_dispatch_f32(const float *panel, int rows, int blocks, const fl
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
     }
 }
+#define TILE_MAX_SUMS (PANEL_ROWS * 4)
+#endif
 
 /* A tile whose last block is N's partial one runs on a scratch copy of its outputs (whole blocks)
  * and stores the `valid` channels of that block back. */
@@ -319,7 +385,7 @@ static void tile_f32(const float *panel, int rows, int blocks, const float *x, l
         tile_dispatch_f32(panel, rows, blocks, x, x_stride, w, block_words, inputs, bias, resume, y, y_stride);
         return;
     }
-    float scratch[PANEL_ROWS * 4 * LANES];
+    float scratch[TILE_MAX_SUMS * LANES];
     const long width = (long)blocks * LANES, used = width - LANES + valid;
     for (int m = 0; m < rows && resume; m++) memcpy(scratch + m * width, y + m * y_stride, (size_t)used * sizeof *y);
     tile_dispatch_f32(panel, rows, blocks, x, x_stride, w, block_words, inputs, bias, resume, scratch, width);
@@ -336,11 +402,16 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
 #if defined(__AVX2__) && defined(__FMA__)
     if (M <= 0) return 0;
     const long block_words = K / 2 * LANES, n_blocks = (N + LANES - 1) / LANES;
+#if defined(__AVX512F__)
+    const int panel = 0;
+    const int tile_blocks = M == 1 ? 4 : 2, tile_rows = Z_ROWS;
+#else
     const int panel = M >= F32_PANEL_ROWS;
     /* one row runs over 4 blocks and two or three over 2, so that 8 to 12 sums are in flight: with
      * fewer, each sum's chain of FMAs waits on the last (2 and 3 rows ran 1.2-1.3x slower) */
     const int tile_blocks = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const int tile_rows = panel ? PANEL_ROWS : DIRECT_ROWS; /* the most a tile takes: passes split evenly */
+#endif
     /* a thread's blocks run in groups whose sums stay in cache between passes; prefill chunks (more
      * than F32_MC rows) run all of them each pass (grouping them there was within the noise) */
     const long group_blocks = M > F32_MC ? n_blocks : F32_GROUP_Y_BYTES / (M * LANES * (long)sizeof(float));

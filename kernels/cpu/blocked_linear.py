@@ -8,7 +8,8 @@ kernels/cpu/blocked_linear.c (see its header for the layout, the tiles and why).
 - fp32 activations on CPUs with AVX2 and FMA (`available_f32`), for an fp32 model whose weights
   are bf16 values (`bf16_exact`: a bf16 checkpoint upcast): the same products as fp32 weights,
   from half the bytes; decode batches straight from the pairs, prefill chunks through an fp32
-  panel of each block (blocked_linear.c).
+  panel of each block (blocked_linear.c); with AVX-512, 512-bit tiles straight from the pairs at
+  every row count, the same bits.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def f32_outruns_onednn() -> bool:
     """The fp32 path runs every call size about as fast as oneDNN's fp32 matmul or faster: an AVX2
     CPU without AVX-512, where oneDNN's kernels are 256 bits wide too (bench/blocked_linear.py
     --fp32 on a Zen 3: 1.5-2.5x at 1-4 rows, 0.97-1.25x at 64-2048 rows). Where AVX-512 is,
-    oneDNN's 512-bit kernels were not measured against it."""
+    oneDNN's 512-bit kernels win from about 96 rows (services/engine/linear.SMALL_CALL_ROWS)."""
     return available_f32() and not cpu_kernels.has_avx512f()
 
 

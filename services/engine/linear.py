@@ -12,9 +12,11 @@ is not kept:
   CPU without AVX-512 ("blocked", `blocked_linear.f32_outruns_onednn`) every call runs there:
   decode batches read half the bytes (1.5-2.5x oneDNN's fp32 matmul at 1-4 rows) and prefill
   chunks run 0.97-1.25x as fast at 64-2048 rows (bench/blocked_linear.py --fp32 on a Zen 3);
-  the weight takes half the fp32 bytes. With AVX-512, where oneDNN's fp32 kernels are twice as
-  wide ("onednn+blocked"), oneDNN's layout is held too and takes the calls of more than
-  SMALL_CALL_ROWS rows: 1.5x the fp32 weight's bytes.
+  the weight takes half the fp32 bytes. With AVX-512 ("onednn+blocked") the kernel's 512-bit
+  tiles run decode batches of 1-32 rows 1.2-3.2x as fast as oneDNN's fp32 matmul, and oneDNN
+  wins from about 96 rows (bench/blocked_linear.py --fp32 on an Ice Lake Xeon): oneDNN's layout
+  is held too and takes the calls of more than SMALL_CALL_ROWS rows, 1.5x the fp32 weight's
+  bytes.
 - otherwise fp32 or bf16 where oneDNN runs them: oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch's own CPU compiler uses, and
   vLLM's CPU backend does the same through oneDNN). A plain `F.linear` re-packs the whole weight
@@ -33,10 +35,11 @@ from kernels.cpu import blocked_linear
 # The batch size oneDNN tunes the packed layout for (as vLLM's CPU backend does): good from
 # decode batches to prefill chunks.
 PACK_BATCH_HINT = 32
-# The most rows an fp32 call runs on a weight's bf16 blocked copy (layout "onednn+blocked"): in
-# bench/blocked_linear.py --fp32 the engine's decode at M ran 1.1-1.3x faster that way at 16
-# rows, 0.85-0.88x at 32 (the kernel alone: 0.8-1.2x oneDNN's at 32 rows, 0.6-1.0x at 64).
-SMALL_CALL_ROWS = 16
+# The most rows an fp32 call runs on a weight's bf16 blocked copy (layout "onednn+blocked"): on
+# M's and L's ten linear shapes the kernel's AVX-512 tiles ran 1.2-1.6x as fast as oneDNN's fp32
+# matmul at 32 rows, 0.97-1.57x at 64, 0.82-1.19x at 96 and 0.69-0.96x at 256 (2 threads, an Ice
+# Lake Xeon; bench/results/blocked_linear_fp32_icelake_stop47.json).
+SMALL_CALL_ROWS = 64
 
 
 def row_bucket(rows: int) -> int:

@@ -1,12 +1,20 @@
 """The blocked kernel's fp32 path (kernels/cpu/blocked_linear.c, strata_blocked_linear_f32): fp32
 activations over bf16 weights in the blocked layout, against a float64 matmul of the same values;
-both tiles (direct: 1-5 rows, one row over 1-4 blocks, two or three over 2; panel: 64 rows and
-more; a pass's rows in tiles of near-equal heights), passes over the inputs and rows, a partial
-last block, strided inputs, the bias, the same bits for a row in any batch; and the layer that
-holds an fp32 weight of bf16 values."""
+the AVX2 tiles (direct: 1-5 rows, one row over 1-4 blocks, two or three over 2; panel: 64 rows
+and more) or the AVX-512 ones (up to 12 rows by 1-2 blocks, one row by up to 4), a pass's rows in
+tiles of near-equal heights, passes over the inputs and rows, a partial last block, strided
+inputs, the bias, the same bits for a row in any batch, and on an AVX-512 CPU the same bits as
+the AVX2 build; and the layer that holds an fp32 weight of bf16 values."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+
+from kernels import cpu as cpu_kernels
 
 from kernels.cpu import blocked_linear
 from services.engine import linear as linear_module
@@ -36,8 +44,10 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 # panel tiles from 64 rows (rows 64-69: 11 or 12 tiles of 5 and 6; 130 and 300 rows: passes of
 # 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024); a thread's
 # blocks in several groups of 32 KB of sums (1, 3, 9, 64 and 120 rows: groups of 512, 170, 56, 8
-# and 4 blocks, the last group short and ending in the partial block).
-SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
+# and 4 blocks, the last group short and ending in the partial block). With AVX-512: tiles of 10-12
+# rows (rows 12, 23, 36: 12, 12+11, 12+12+12) by 2 blocks and by 1 (N = 48 and 80: a thread's odd
+# share of blocks ends in a one-block tile).
+SHAPES = [(48, 600, 12), (80, 64, 23), (97, 300, 36), (1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
           (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
           (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
           (64, 1024, 69), (50, 600, 130), (222, 64, 1), (250, 64, 1), (56, 64, 2), (97, 600, 3),
@@ -139,3 +149,31 @@ def test_the_layer_runs_small_calls_on_the_bf16_copy_and_large_ones_on_onednn():
     assert cpu_layout(torch.randn(48, 32, generator=g)) == "onednn"
     assert cpu_layout(bf16_valued(48, 31, generator=g)) == "onednn"
     assert Linear(w, prepack=False).layout == "plain"
+
+
+def _build_without_avx512(tmp_path: Path) -> ctypes.CDLL:
+    source = Path(cpu_kernels.__file__).with_name("blocked_linear.c")
+    target = tmp_path / "blocked_linear_avx2.so"
+    subprocess.run([shutil.which("gcc"), *cpu_kernels.CFLAGS, "-mno-avx512f", str(source), "-o", str(target), "-lm"],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(target))
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.strata_blocked_linear_f32.restype = ctypes.c_int
+    lib.strata_blocked_linear_f32.argtypes = [p, n, n, n, p, n, p, p, n, ctypes.c_int]
+    return lib
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx512f() or shutil.which("gcc") is None,
+                    reason="no AVX-512 here: the AVX2 tiles are the ones tested above")
+@pytest.mark.parametrize("n,k,rows", [(97, 600, 1), (250, 64, 1), (97, 600, 3), (40, 600, 12), (80, 64, 23),
+                                      (630, 600, 64), (50, 600, 130)])
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(n, k, rows, tmp_path):
+    """Both builds sum every output from its bias in input order, one FMA an input."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    packed = blocked_linear.pack(bf16_valued(n, k, generator=g).bfloat16(), torch.randn(n, generator=g))
+    x = torch.randn(rows, k, generator=g)
+    avx2 = torch.empty(rows, n)
+    rc = _build_without_avx512(tmp_path).strata_blocked_linear_f32(
+        x.data_ptr(), rows, k, k, packed.words.data_ptr(), n, packed.bias.data_ptr(), avx2.data_ptr(), n, 2)
+    assert rc == 0
+    assert torch.equal(blocked_linear.linear(x, packed), avx2)
