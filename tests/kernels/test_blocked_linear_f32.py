@@ -151,9 +151,11 @@ def test_the_layer_runs_small_calls_on_the_bf16_copy_and_large_ones_on_onednn():
     assert Linear(w, prepack=False).layout == "plain"
 
 
-def _build_without_avx512(tmp_path: Path) -> ctypes.CDLL:
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory) -> ctypes.CDLL:
+    """blocked_linear.c built as for a CPU without AVX-512: its AVX2 tiles, compiled once."""
     source = Path(cpu_kernels.__file__).with_name("blocked_linear.c")
-    target = tmp_path / "blocked_linear_avx2.so"
+    target = tmp_path_factory.mktemp("avx2") / "blocked_linear_avx2.so"
     subprocess.run([shutil.which("gcc"), *cpu_kernels.CFLAGS, "-mno-avx512f", str(source), "-o", str(target), "-lm"],
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))
@@ -167,13 +169,13 @@ def _build_without_avx512(tmp_path: Path) -> ctypes.CDLL:
                     reason="no AVX-512 here: the AVX2 tiles are the ones tested above")
 @pytest.mark.parametrize("n,k,rows", [(97, 600, 1), (250, 64, 1), (97, 600, 3), (40, 600, 12), (80, 64, 23),
                                       (630, 600, 64), (50, 600, 130)])
-def test_the_avx512_tiles_give_the_avx2_tiles_bits(n, k, rows, tmp_path):
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(n, k, rows, avx2_build):
     """Both builds sum every output from its bias in input order, one FMA an input."""
     g = torch.Generator().manual_seed(n + k + rows)
     packed = blocked_linear.pack(bf16_valued(n, k, generator=g).bfloat16(), torch.randn(n, generator=g))
     x = torch.randn(rows, k, generator=g)
     avx2 = torch.empty(rows, n)
-    rc = _build_without_avx512(tmp_path).strata_blocked_linear_f32(
+    rc = avx2_build.strata_blocked_linear_f32(
         x.data_ptr(), rows, k, k, packed.words.data_ptr(), n, packed.bias.data_ptr(), avx2.data_ptr(), n, 2)
     assert rc == 0
     assert torch.equal(blocked_linear.linear(x, packed), avx2)
