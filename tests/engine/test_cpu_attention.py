@@ -35,8 +35,10 @@ def paged_case(seed: int, lengths: list[int], kv_heads: int, group: int, head_di
 
 
 CASES = [(kv, group, d) for kv, group in ((4, 1), (2, 2), (2, 4), (1, 8), (2, 7)) for d in (64, 128)]
-# the decode kernel also takes a head_dim that ends mid-vector (36: AVX2 reads 4 x 8 lanes, then 4)
-DECODE_CASES = CASES + [(2, 3, 36)]
+# the decode kernel also takes a head_dim that ends mid-vector (36: AVX2 reads 4 x 8 lanes, then 4),
+# one past its unrolled ones (80: AVX-512 scores 64 + 16 lanes) and groups its V pass takes three
+# heads at a time (3, 5, 6)
+DECODE_CASES = CASES + [(2, 3, 36), (1, 3, 80), (1, 5, 64), (1, 6, 128)]
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
