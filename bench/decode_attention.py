@@ -14,6 +14,13 @@ kernel's output is checked against the reference on the first layer.
     python bench/decode_attention.py                # 2 threads, writes bench/results/decode_attention.json
     python bench/decode_attention.py --threads 1 --cases 32x145 64x300
     python bench/decode_attention.py --dtype fp32   # the caches --dtype auto gives a CPU without bf16
+
+--baseline REV also builds the kernel as it was at git revision REV (same flags) and times it and
+this tree's build in turn, pass by pass, both called straight through ctypes, so that the machine's
+noise and the call's cost fall on both alike: their microseconds, the speed-up (baseline / this
+build) and whether both give the same bits.
+
+    python bench/decode_attention.py --dtype fp32 --baseline HEAD~1
 """
 
 from __future__ import annotations
@@ -71,6 +78,37 @@ long strata_stream_blocks(const char *k, const char *v, const int32_t *tables, i
 """
 
 
+def c_function(dtype: str) -> str:
+    return {"fp32": "strata_paged_decode_attention_f32", "bf16": "strata_paged_decode_attention_bf16"}[dtype]
+
+
+def resolve_revision(rev: str) -> str:
+    """`rev`'s commit hash (what the results record), or exit naming it."""
+    found = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        sys.exit(f"--baseline {rev}: not a revision of this repository")
+    return found.stdout.strip()
+
+
+def baseline_kernel(rev: str, dtype: str):
+    """The decode kernel's C function as built from git revision `rev` (paged_attention.c and its
+    headers), with the flags the engine's build uses."""
+    tmp = Path(tempfile.mkdtemp())
+    for name in ("paged_attention.c", "strata_math.h", "strata_dot16.h"):
+        shown = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{rev}:kernels/cpu/{name}"],
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            sys.exit(f"--baseline {rev}: no kernels/cpu/{name} there ({shown.stderr.strip()})")
+        (tmp / name).write_text(shown.stdout)
+    subprocess.run(["gcc", *cpu_kernels.CFLAGS, str(tmp / "paged_attention.c"), "-o", str(tmp / "base.so"), "-lm"],
+                   check=True)
+    fn = getattr(ctypes.CDLL(str(tmp / "base.so")), c_function(dtype))
+    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, p, p, n] + [i] * 6 + [ctypes.c_float, i, p, p]
+    return fn
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -79,6 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="the cache's and the query's dtype (fp32: as --dtype auto runs on a CPU without bf16)")
+    p.add_argument("--baseline", metavar="REV", help="also time the kernel of this git revision, in turn")
     p.add_argument("--out", default=str(HERE / "results" / "decode_attention.json"))
     return p.parse_args(argv)
 
@@ -94,14 +133,17 @@ def stream_kernel() -> ctypes.CDLL:
     return lib
 
 
-def per_layer_us(call, layers: int, repeats: int) -> float:
-    call()  # warm-up
-    samples = []
+def per_layer_us(calls: list, layers: int, repeats: int) -> list[float]:
+    """Median microseconds per layer of each call, the calls taking turns pass by pass."""
+    for call in calls:
+        call()  # warm-up
+    samples = [[] for _ in calls]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - t0) / layers * 1e6)
-    return statistics.median(samples)
+        for call, times in zip(calls, samples):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) / layers * 1e6)
+    return [statistics.median(times) for times in samples]
 
 
 def main(argv=None) -> None:
@@ -110,12 +152,16 @@ def main(argv=None) -> None:
         sys.exit("CPU kernels unavailable (no C compiler)")
     torch.set_num_threads(args.threads)
     stream = stream_kernel()
+    if args.baseline:
+        args.baseline = resolve_revision(args.baseline)
+    baseline = baseline_kernel(args.baseline, args.dtype) if args.baseline else None
     g = torch.Generator().manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     elem_bytes = dtype.itemsize
     rows = []
     print(f"{'shape':<6}{'batch':>6}{'context':>9}{'kernel us':>11}{'GB/s':>7}{'floor us':>10}{'GB/s':>7}"
-          f"{'kernel/floor':>14}")
+          f"{'kernel/floor':>14}" + (f"{'C call us':>10}{'baseline us':>13}{'speed-up':>10}{'same bits':>11}"
+                                     if baseline else ""))
     for case in args.cases:
         batch, context = map(int, case.split("x"))
         per_seq = -(-context // BLOCK)
@@ -146,19 +192,39 @@ def main(argv=None) -> None:
                     stream.strata_stream_blocks(k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), batch,
                                                 per_seq, BLOCK * kv_heads * HEAD_DIM * elem_bytes, args.threads)
 
-            kernel_us = per_layer_us(kernel, args.layers, args.repeats)
-            floor_us = per_layer_us(floor, args.layers, args.repeats)
+            def c_calls(fn, result, layers=caches):
+                """Both builds called the same way for --baseline: straight through ctypes."""
+                def run():
+                    for k_cache, v_cache in layers:
+                        fn(q.data_ptr(), heads * HEAD_DIM, k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                           lens.data_ptr(), result.data_ptr(), heads * HEAD_DIM, batch, heads, kv_heads, HEAD_DIM,
+                           BLOCK, per_seq, HEAD_DIM ** -0.5, args.threads, None, None)
+                return run
+
+            this_out, base_out = torch.empty_like(q), torch.empty_like(q)
+            this_fn = getattr(cpu_kernels.load(), c_function(args.dtype))
+            pair = [c_calls(this_fn, this_out), c_calls(baseline, base_out)] if baseline else []
+            kernel_us, floor_us, *pair_us = per_layer_us([kernel, floor] + pair, args.layers, args.repeats)
             kv_bytes = 2 * batch * per_seq * BLOCK * kv_heads * HEAD_DIM * elem_bytes
-            rows.append(dict(shape=name, heads=heads, kv_heads=kv_heads, batch=batch, context=context,
-                             kernel_us=round(kernel_us, 1), floor_us=round(floor_us, 1),
-                             kernel_gb_s=round(kv_bytes / kernel_us / 1e3, 2),
-                             floor_gb_s=round(kv_bytes / floor_us / 1e3, 2),
-                             max_abs_diff=err))
-            print(f"{name:<6}{batch:>6}{context:>9}{kernel_us:>11.1f}{kv_bytes / kernel_us / 1e3:>7.1f}"
-                  f"{floor_us:>10.1f}{kv_bytes / floor_us / 1e3:>7.1f}{kernel_us / floor_us:>13.2f}x")
+            row = dict(shape=name, heads=heads, kv_heads=kv_heads, batch=batch, context=context,
+                       kernel_us=round(kernel_us, 1), floor_us=round(floor_us, 1),
+                       kernel_gb_s=round(kv_bytes / kernel_us / 1e3, 2), floor_gb_s=round(kv_bytes / floor_us / 1e3, 2),
+                       max_abs_diff=err)
+            line = (f"{name:<6}{batch:>6}{context:>9}{kernel_us:>11.1f}{kv_bytes / kernel_us / 1e3:>7.1f}"
+                    f"{floor_us:>10.1f}{kv_bytes / floor_us / 1e3:>7.1f}{kernel_us / floor_us:>13.2f}x")
+            if baseline:
+                this_us, base_us = pair_us
+                c_calls(this_fn, this_out, caches[:1])()
+                c_calls(baseline, base_out, caches[:1])()
+                same = torch.equal(this_out, base_out)
+                row.update(c_call_us=round(this_us, 1), baseline_us=round(base_us, 1), speedup=round(base_us / this_us, 3),
+                           same_bits=same)
+                line += f"{this_us:>10.1f}{base_us:>13.1f}{base_us / this_us:>9.2f}x{'yes' if same else 'no':>11}"
+            rows.append(row)
+            print(line)
             del caches
     write_results(args.out, args, {"dtype": args.dtype, "head_dim": HEAD_DIM, "block_size": BLOCK,
-                                   "layers": args.layers, "results": rows})
+                                   "layers": args.layers, "baseline": args.baseline, "results": rows})
 
 
 if __name__ == "__main__":
