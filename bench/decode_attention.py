@@ -78,10 +78,6 @@ long strata_stream_blocks(const char *k, const char *v, const int32_t *tables, i
 """
 
 
-def c_function(dtype: str) -> str:
-    return {"fp32": "strata_paged_decode_attention_f32", "bf16": "strata_paged_decode_attention_bf16"}[dtype]
-
-
 def resolve_revision(rev: str) -> str:
     """`rev`'s commit hash (what the results record), or exit naming it."""
     found = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
@@ -91,7 +87,14 @@ def resolve_revision(rev: str) -> str:
     return found.stdout.strip()
 
 
-def baseline_kernel(rev: str, dtype: str):
+def c_function(lib: ctypes.CDLL, dtype: torch.dtype):
+    """The decode kernel's C function for `dtype` in a build of paged_attention.c, declared."""
+    fn = getattr(lib, f"strata_paged_decode_attention_{cpu_kernels.KERNEL_DTYPES[dtype]}")
+    fn.restype, fn.argtypes = ctypes.c_int, list(cpu_kernels.DECODE_ATTENTION_ARGTYPES)
+    return fn
+
+
+def baseline_kernel(rev: str, dtype: torch.dtype):
     """The decode kernel's C function as built from git revision `rev` (paged_attention.c and its
     headers), with the flags the engine's build uses."""
     tmp = Path(tempfile.mkdtemp())
@@ -103,10 +106,7 @@ def baseline_kernel(rev: str, dtype: str):
         (tmp / name).write_text(shown.stdout)
     subprocess.run(["gcc", *cpu_kernels.CFLAGS, str(tmp / "paged_attention.c"), "-o", str(tmp / "base.so"), "-lm"],
                    check=True)
-    fn = getattr(ctypes.CDLL(str(tmp / "base.so")), c_function(dtype))
-    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, p, p, n] + [i] * 6 + [ctypes.c_float, i, p, p]
-    return fn
+    return c_function(ctypes.CDLL(str(tmp / "base.so")), dtype)
 
 
 def parse_args(argv=None):
@@ -152,11 +152,12 @@ def main(argv=None) -> None:
         sys.exit("CPU kernels unavailable (no C compiler)")
     torch.set_num_threads(args.threads)
     stream = stream_kernel()
-    if args.baseline:
-        args.baseline = resolve_revision(args.baseline)
-    baseline = baseline_kernel(args.baseline, args.dtype) if args.baseline else None
     g = torch.Generator().manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    baseline = this_fn = None
+    if args.baseline:
+        args.baseline = resolve_revision(args.baseline)
+        baseline, this_fn = baseline_kernel(args.baseline, dtype), c_function(cpu_kernels.load(), dtype)
     elem_bytes = dtype.itemsize
     rows = []
     print(f"{'shape':<6}{'batch':>6}{'context':>9}{'kernel us':>11}{'GB/s':>7}{'floor us':>10}{'GB/s':>7}"
@@ -202,7 +203,6 @@ def main(argv=None) -> None:
                 return run
 
             this_out, base_out = torch.empty_like(q), torch.empty_like(q)
-            this_fn = getattr(cpu_kernels.load(), c_function(args.dtype))
             pair = [c_calls(this_fn, this_out), c_calls(baseline, base_out)] if baseline else []
             kernel_us, floor_us, *pair_us = per_layer_us([kernel, floor] + pair, args.layers, args.repeats)
             kv_bytes = 2 * batch * per_seq * BLOCK * kv_heads * HEAD_DIM * elem_bytes

@@ -31,6 +31,11 @@ _HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata
 # (crtfastmath), changing everyone's floating point.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC")
+# strata_paged_decode_attention_*(q, q_stride, k_cache, v_cache, block_tables, context_lens, out,
+# out_stride, batch, heads, kv_heads, head_dim, block_size, max_blocks, scale, threads, k_scales,
+# v_scales); bench/decode_attention.py declares another revision's build with it too.
+DECODE_ATTENTION_ARGTYPES = ((ctypes.c_void_p, ctypes.c_long) + (ctypes.c_void_p,) * 5 + (ctypes.c_long,)
+                             + (ctypes.c_int,) * 6 + (ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -72,7 +77,7 @@ def _build() -> ctypes.CDLL | None:
     for suffix in ("f32", "bf16"):
         for cache in ("", "i8_"):  # caches in the model's dtype, or int8 with their scales
             fn = getattr(lib, f"strata_paged_decode_attention_{cache}{suffix}")
-            fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, p, p, n] + [i] * 6 + [f, i, p, p]
+            fn.restype, fn.argtypes = ctypes.c_int, list(DECODE_ATTENTION_ARGTYPES)
         fn = getattr(lib, f"strata_store_kv_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, n, p, n, p, p, n, n]
         fn = getattr(lib, f"strata_rms_norm_{suffix}")
