@@ -20,8 +20,9 @@ Workloads (token-id prompts drawn from the tokenizer's regular tokens, the same 
   throughput   N requests at once, prompt and output lengths uniform in ranges: output tokens/s
   prefill-P    prompts of P tokens (as many as fit in --prefill-tokens, at least one), 1 output token:
                prompt tokens/s
-  decode-bB    B requests of --decode-prompt-len tokens, run once with 1 output token and once with
-               --decode-tokens: decode tokens/s = the extra tokens / the extra time (prefill cancels out)
+  decode-bB    B requests of --decode-prompt-len tokens and --decode-tokens output tokens each: decode
+               tokens/s over the steps in which all B were decoding, timed step by step inside the run
+               (bench/runner_protocol.py's StepClock), so the prefill stays out of it at any prompt length
 Timing is the same for every runner (bench/runner_protocol.py): generation only, after a warm-up of
 each mode; model load and warm-up reported apart. Where memory allows all runners at once
 (--interleave auto; at L it does not on a 24 GB machine), runs are interleaved (for each mode and
@@ -31,8 +32,8 @@ counts. The development machines are shared, so every run waits (up to --quiet-w
 processes to leave the CPU and records the share they took meanwhile; a run they took more than
 --max-others-cpu of is redone (up to --max-retries times; the waiting and redoing together spend at
 most --noise-budget seconds of the whole bench; if every attempt was disturbed, the least disturbed
-counts and the point is reported as noisy). Also Strata's step-phase split (llm.stats()
-step_*_s) over each decode batch's decode steps.
+counts and the point is reported as noisy). Also Strata's step-phase split (its StepTimings) over
+each decode point's decode steps.
 
 Prints the figures and ratios (Strata/vLLM, Strata/HF, sampled/greedy) with issue 16's targets;
 writes bench/results/engine_realistic.json (after every shape) and bench/results/engine_realistic.png.
@@ -80,8 +81,8 @@ DEFAULT_VLLM_VENV = "/work/peer/vllm-venv"
 # Issue 16's targets on this CPU.
 TARGET_VS_VLLM, TARGET_VS_HF_STATIC, TARGET_SAMPLED_OVER_GREEDY, TARGET_SAMPLE_SHARE = 1.0, 2.0, 0.85, 0.10
 MIN_WATCH_S = 0.5  # the shortest window over which other processes' CPU share is measured
-# A decode point counts only when its decode steps take at least this share of the run's time.
-MIN_DECODE_SHARE = 0.15
+# A decode point counts only when its window holds at least this many decode steps.
+MIN_DECODE_STEPS = 8
 
 
 @dataclass
@@ -98,9 +99,7 @@ class Sizes:
 
 
 # Sized so that the whole run takes about an hour on 2 cores (L dominates: ~40 minutes). A decode
-# point is the difference of two runs that share their prefill, so the decode steps are sized to
-# take about half of the longer run or more at batch 64: at 16 tokens after 64-token prompts they
-# were a quarter of it at L, and the machine's noise on the prefill moved L's b32 and b64 by 2x.
+# point's rate is timed over its decode steps only, 63 of them at 64 output tokens.
 FULL = {
     "S": Sizes(128, (16, 512), (16, 256), decode_tokens=64),
     "M": Sizes(64, (16, 512), (16, 256), decode_tokens=64),
@@ -140,8 +139,8 @@ def make_workloads(sizes: Sizes, ids: list[int], max_model_len: int, seed: int) 
                           "max_tokens": [1] * count})
     for batch in sizes.decode_batches:
         prompts = [prompt(sizes.decode_prompt_len) for _ in range(batch)]
-        workloads.append({"name": f"decode-b{batch}-first", "prompts": prompts, "max_tokens": [1] * batch})
-        workloads.append({"name": f"decode-b{batch}", "prompts": prompts, "max_tokens": [sizes.decode_tokens] * batch})
+        workloads.append({"name": f"decode-b{batch}", "prompts": prompts, "max_tokens": [sizes.decode_tokens] * batch,
+                          "decode_batch": batch})
     max_seqs = max(64, *sizes.decode_batches)
     warmup = {"prompts": [prompt(16) for _ in range(max_seqs)] + [prompt(min(300, max_model_len - 8))],
               "max_tokens": [4] * (max_seqs + 1)}
@@ -350,22 +349,18 @@ def measure_point(proc: RunnerProcess, procs: dict[str, RunnerProcess], workload
     answer = dict(runs[-1])
     answer.update(seconds=statistics.median(a["seconds"] for a in runs), seconds_all=[a["seconds"] for a in runs],
                   others_cpu=max(a["others_cpu"] for a in runs), disturbed_runs=len(disturbed), noisy=not kept)
+    if "decode_s" in answer:
+        rates = [a["decode_tokens"] / a["decode_s"] for a in runs]
+        answer.update(decode_tok_s=statistics.median(rates), decode_tok_s_all=rates)
     return answer
 
 
 def run_workloads(procs: dict[str, RunnerProcess], modes: dict, workloads: list[dict], repeats: int,
                   guard: NoiseGuard, args, result: dict) -> None:
-    """For each mode and workload, every runner in turn; a runner whose process dies or hangs is dropped.
-    A decode point's two runs (1 token, then --decode-tokens) go back to back for each runner, so that
-    both see the same machine."""
-    units: dict[str, list[dict]] = {}
-    for workload in workloads:
-        units.setdefault(workload["name"].removesuffix("-first"), []).append(workload)
+    """For each mode and workload, every runner in turn; a runner whose process dies or hangs is dropped."""
     for mode in modes:
-        for unit in units.values():
-            for name, workload in [(n, w["name"]) for n in list(procs) for w in unit]:
-                if name not in procs:  # died earlier in this unit
-                    continue
+        for workload in [w["name"] for w in workloads]:
+            for name in list(procs):
                 try:
                     answer = measure_point(procs[name], procs, workload, mode, repeats, guard, args.run_timeout)
                 except (TimeoutError, RuntimeError, ValueError) as exc:
@@ -378,8 +373,10 @@ def run_workloads(procs: dict[str, RunnerProcess], modes: dict, workloads: list[
                     continue
                 result["runners"][name]["warmup_s"][mode] = answer.pop("warmup_s")
                 result["runs"][mode][workload][name] = answer
+                decode = (f"  decode {answer['decode_tok_s']:7.1f} tok/s over {answer['decode_steps']} steps"
+                          if "decode_tok_s" in answer else "")
                 print(f"  {mode:7s} {workload:18s} {name:9s} {answer['seconds']:8.2f} s  "
-                      f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens  (others "
+                      f"{answer['output_tokens']:6d} out  {answer['prompt_tokens']:7d} prompt tokens{decode}  (others "
                       f"{answer['others_cpu']:.0%} of the CPU{'; NOISY' if answer['noisy'] else ''}"
                       + (f"; {answer['disturbed_runs']} disturbed runs redone" if answer["disturbed_runs"] else "")
                       + ")", flush=True)
@@ -447,8 +444,7 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
     """tokens/s per mode and runner: throughput (output), prefill by prompt length, decode by batch."""
     out = {}
     for mode in modes:
-        # decode_share: the decode steps' share of each decode point's longer run (how far its rate
-        # stands above the prefill's noise)
+        # decode_share: the decode window's share of each decode point's run (the rest is its prefill)
         fig = {"throughput": {}, "prefill": {}, "decode": {}, "decode_share": {}, "unreliable": [],
                "noisy": sorted(f"{runner} {workload}" for workload, per_runner in result["runs"][mode].items()
                                for runner, run in per_runner.items() if run.get("noisy"))}
@@ -459,18 +455,13 @@ def figures(result: dict, sizes: Sizes, modes: list[str]) -> dict:
                 if run := _run(result, mode, f"prefill-{length}", runner):
                     fig["prefill"].setdefault(str(length), {})[runner] = run["prompt_tokens"] / run["seconds"]
             for batch in sizes.decode_batches:
-                first = _run(result, mode, f"decode-b{batch}-first", runner)
-                full = _run(result, mode, f"decode-b{batch}", runner)
-                if not (first and full):
+                if not (run := _run(result, mode, f"decode-b{batch}", runner)):
                     continue
-                extra = full["seconds"] - first["seconds"]
-                fig["decode_share"].setdefault(str(batch), {})[runner] = round(extra / full["seconds"], 3)
-                if extra < MIN_DECODE_SHARE * full["seconds"]:  # decoding drowned in the prefill's noise
-                    fig["unreliable"].append(f"{runner} decode b{batch}: {full['seconds']:.3f} s with "
-                                             f"{sizes.decode_tokens} tokens vs {first['seconds']:.3f} s with 1")
+                fig["decode_share"].setdefault(str(batch), {})[runner] = round(run["decode_s"] / run["seconds"], 3)
+                if run["decode_steps"] < MIN_DECODE_STEPS:
+                    fig["unreliable"].append(f"{runner} decode b{batch}: {run['decode_steps']} decode steps")
                     continue
-                rate = (full["output_tokens"] - first["output_tokens"]) / extra
-                fig["decode"].setdefault(str(batch), {})[runner] = rate
+                fig["decode"].setdefault(str(batch), {})[runner] = run["decode_tok_s"]
         out[mode] = fig
     return out
 
@@ -498,20 +489,17 @@ def ratios(figs: dict, modes: list[str]) -> dict:
 
 
 def strata_phases(result: dict, sizes: Sizes, modes: list[str]) -> dict:
-    """Share of each step phase in Strata's step time over the decode steps of each batch (the run with
-    --decode-tokens minus the run with one token)."""
+    """Share of each step phase in Strata's step time over each decode point's decode window."""
     out = {}
     for mode in modes:
         for batch in sizes.decode_batches:
-            first, full = (_run(result, mode, f"decode-b{batch}-first", "strata"),
-                           _run(result, mode, f"decode-b{batch}", "strata"))
-            if not (first and full):
+            if not (run := _run(result, mode, f"decode-b{batch}", "strata")):
                 continue
-            delta = {p: full["phases_s"][p] - first["phases_s"][p] for p in full["phases_s"]}
-            wall = delta.pop("wall")
+            phases = dict(run["decode_phases_s"])
+            wall = phases.pop("wall")
             if wall > 0:
-                out.setdefault(mode, {})[str(batch)] = {"step_wall_s": wall, "steps": full["steps"] - first["steps"],
-                                                        **{p: delta[p] / wall for p in PHASES if p in delta}}
+                out.setdefault(mode, {})[str(batch)] = {"step_wall_s": wall, "steps": run["decode_steps"],
+                                                        **{p: phases[p] / wall for p in PHASES if p in phases}}
     return out
 
 
@@ -579,7 +567,7 @@ def print_shape(key: str, res: dict) -> None:
             print(f"  {mode}: disturbed by other processes in every attempt (the least disturbed counts): "
                   + ", ".join(fig["noisy"]))
         for what in fig["unreliable"]:
-            print(f"  {mode} {what}: decode share under {MIN_DECODE_SHARE:.0%}, not counted (raise --decode-tokens)")
+            print(f"  {mode} {what}: under {MIN_DECODE_STEPS}, not counted (raise --decode-tokens)")
     for name, why in res["skipped"].items():
         print(f"  skipped {name}: {why}")
     for name, info in res["runners"].items():

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.runner_protocol import serve  # noqa: E402
+from bench.runner_protocol import StepClock, serve  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,18 +59,45 @@ class StrataRunner:
     def prepare(self, workload: dict, mode: str):
         prompts, params = workload["prompts"], self._params(mode, workload["max_tokens"])
         before = self.llm.stats()
+        clock = StepClock(workload["decode_batch"]) if "decode_batch" in workload else None
+        step_phases: list = []  # each step's StepTimings, beside the clock's entries
+
+        def generate():
+            if clock is None:
+                return self.llm.generate(prompts, params)
+            engine = self.llm.engine
+            step = engine.step
+
+            def timed_step():
+                tokens = engine.num_generated_tokens
+                outputs = step()
+                clock.record(engine.num_generated_tokens - tokens)
+                step_phases.append(engine.last_step)
+                return outputs
+
+            engine.step = timed_step  # this run only: the instance attribute shadows the method
+            try:
+                return self.llm.generate(prompts, params)
+            finally:
+                del engine.step
 
         def account(outputs) -> dict:
             after = self.llm.stats()
             phases = {k[len("step_"):-len("_s")]: after[k] - before[k]
                       for k in after if k.startswith("step_") and k.endswith("_s")}
-            return {"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                    "prompt_tokens": sum(len(p) for p in prompts),
-                    "steps": after["num_steps"] - before["num_steps"],
-                    "preemptions": after["num_preemptions"] - before["num_preemptions"],
-                    "phases_s": phases}
+            answer = {"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                      "prompt_tokens": sum(len(p) for p in prompts),
+                      "steps": after["num_steps"] - before["num_steps"],
+                      "preemptions": after["num_preemptions"] - before["num_preemptions"],
+                      "phases_s": phases}
+            if clock is not None:
+                first, last = clock.window()
+                window = [t for t in step_phases[first + 1:last + 1] if t is not None]
+                answer.update(clock.figures(), decode_phases_s={
+                    name: sum(getattr(t, name) for t in window) for name in phases})
+            return answer
 
-        return (lambda: self.llm.generate(prompts, params)), account
+        return generate, account
 
 
 class HfRunner:
@@ -107,7 +134,8 @@ class HfRunner:
     # ------------------------------------------------------------ hf-static
 
     @torch.inference_mode()
-    def _static(self, prompts: list[list[int]], max_tokens: list[int], mode: str) -> int:
+    def _static(self, prompts: list[list[int]], max_tokens: list[int], mode: str,
+                clock: StepClock | None = None) -> int:
         seed, sampling = self.modes[mode].get("seed"), self._sampling(mode)
         useful = 0
         for start in range(0, len(prompts), self.batch):
@@ -121,8 +149,9 @@ class HfRunner:
             if seed is not None:
                 torch.manual_seed(seed + start)
             longest = max(wants)
+            streamer = StepStreamer(clock) if clock is not None else None
             out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=longest,
-                                      pad_token_id=self.pad_id, **sampling)
+                                      pad_token_id=self.pad_id, streamer=streamer, **sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the timed call ends when the device is done
             if out.shape[1] != width + longest:
@@ -153,10 +182,13 @@ class HfRunner:
         self._cb_mode = mode
         return self._cb_manager
 
-    def _continuous(self, prompts: list[list[int]], max_tokens: list[int], mode: str) -> int:
+    def _continuous(self, prompts: list[list[int]], max_tokens: list[int], mode: str,
+                    clock: StepClock | None = None) -> int:
         manager = self._open_cb(mode)
-        ids = [manager.add_request(p, max_new_tokens=m) for p, m in zip(prompts, max_tokens)]
+        ids = [manager.add_request(p, max_new_tokens=m, record_timestamps=clock is not None)
+               for p, m in zip(prompts, max_tokens)]
         done: dict[str, int] = {}
+        stamps: dict[str, list[float]] = {}
         deadline = time.monotonic() + self.job["run_timeout_s"]
         while len(done) < len(ids):
             if time.monotonic() > deadline:
@@ -168,25 +200,44 @@ class HfRunner:
                 if result.error is not None:
                     raise RuntimeError(f"request {result.request_id}: {result.error}")
                 done[result.request_id] = len(result.generated_tokens)
+                stamps[result.request_id] = result.timestamps or []
+        if clock is not None:
+            clock.record_requests([stamps[i] for i in ids])
         return sum(done[i] for i in ids)
 
     # ------------------------------------------------------------ protocol
 
-    def _run(self, prompts, max_tokens, mode) -> int:
-        return (self._static if self.name == "hf-static" else self._continuous)(prompts, max_tokens, mode)
+    def _run(self, prompts, max_tokens, mode, clock: StepClock | None = None) -> int:
+        return (self._static if self.name == "hf-static" else self._continuous)(prompts, max_tokens, mode, clock)
 
     def warmup(self, mode: str) -> None:
         self._run(self.warmup_prompts["prompts"], self.warmup_prompts["max_tokens"], mode)
 
     def prepare(self, workload: dict, mode: str):
         prompts, max_tokens = workload["prompts"], workload["max_tokens"]
+        clock = StepClock(workload["decode_batch"]) if "decode_batch" in workload else None
 
         def account(output_tokens: int) -> dict:
             if output_tokens != sum(max_tokens):
                 raise RuntimeError(f"{output_tokens} tokens generated, {sum(max_tokens)} asked for")
-            return {"output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts)}
+            return {"output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts),
+                    **(clock.figures() if clock is not None else {})}
 
-        return (lambda: self._run(prompts, max_tokens, mode)), account
+        return (lambda: self._run(prompts, max_tokens, mode, clock)), account
+
+
+class StepStreamer:
+    """transformers' streamer protocol: `put` gets the prompt, then each step's new tokens."""
+
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() == 1:  # one token per row: a step (the prompt comes first, 2-D)
+            self.clock.record(value.numel())
+
+    def end(self) -> None:
+        pass
 
 
 def make_runner(name: str, job: dict):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner_protocol import serve  # noqa: E402
+from runner_protocol import StepClock, serve  # noqa: E402
 
 
 class VllmRunner:
@@ -50,12 +50,33 @@ class VllmRunner:
 
     def prepare(self, workload: dict, mode: str):
         prompts, params = workload["prompts"], self._params(mode, workload["max_tokens"])
+        clock = StepClock(workload["decode_batch"]) if "decode_batch" in workload else None
+
+        def generate():
+            if clock is None:
+                return self._generate(prompts, params)
+            # LLMEngine.step takes each step's outputs from its engine core client's get_output;
+            # their new token ids are the step's tokens.
+            core = self.llm.llm_engine.engine_core
+            get_output = core.get_output
+
+            def timed_get_output():
+                outputs = get_output()
+                clock.record(sum(len(o.new_token_ids) for o in outputs.outputs))
+                return outputs
+
+            core.get_output = timed_get_output  # this run only: the instance attribute shadows the method
+            try:
+                return self._generate(prompts, params)
+            finally:
+                del core.get_output
 
         def account(outputs) -> dict:
             return {"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs)}
+                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                    **(clock.figures() if clock is not None else {})}
 
-        return (lambda: self._generate(prompts, params)), account
+        return generate, account
 
 
 def make_runner(name: str, job: dict) -> VllmRunner:

@@ -15,14 +15,20 @@ object a line, and answers each with one JSON line:
 
 Every runner is timed here, the same way: the first run of a mode is preceded by the runner's warm-up
 (timed apart, `warmup_s`); only the call that generates is inside `seconds` (building the requests and
-counting the outputs are outside). The answers go to the original stdout; everything else the process
-prints (vLLM logs to stdout) is sent to stderr, so it cannot corrupt the protocol.
+counting the outputs are outside). A decode workload (one with "decode_batch": B) is also timed step
+by step: the runner records when each engine step ended and how many tokens it gave (a `StepClock`),
+and its answer adds `decode_s`, `decode_tokens` and `decode_steps`, the window of steps in which all
+B requests were decoding (after the step that gave the last of them its first token, up to the last
+step that gave every one of them a token). The prefill is outside that window, whatever its length,
+so a decode rate needs no second run to subtract. The answers go to the original stdout; everything
+else the process prints (vLLM logs to stdout) is sent to stderr, so it cannot corrupt the protocol.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -37,6 +43,45 @@ class Runner(Protocol):
         """(generate, account): `generate()` is timed; `account(its result)` returns at least
         output_tokens and prompt_tokens, untimed."""
         ...
+
+
+class StepClock:
+    """The end time and token count of each engine step of one run, for its decode window."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.steps: list[tuple[float, int]] = []
+
+    def record(self, tokens: int) -> None:
+        self.steps.append((time.perf_counter(), tokens))
+
+    def record_requests(self, token_times: list[list[float]]) -> None:
+        """Steps from each request's own token timestamps (a runner that stamps tokens, not steps): a
+        step's tokens are stamped microseconds apart, its neighbours a step time away, so a gap of
+        over a quarter of a request's median gap between tokens starts a new step."""
+        gaps = [b - a for times in token_times for a, b in zip(times, times[1:])]
+        split = statistics.median(gaps) / 4 if gaps else 0.0
+        for stamp in sorted(t for times in token_times for t in times):
+            if self.steps and stamp - self.steps[-1][0] <= split:
+                self.steps[-1] = (stamp, self.steps[-1][1] + 1)
+            else:
+                self.steps.append((stamp, 1))
+
+    def window(self) -> tuple[int, int]:
+        """Indices (first, last) of the steps bounding the decode window: it runs from the end of
+        `first`, the first step that gave every request a token (so the last one's first token),
+        to the end of `last`, the last such step. The steps in it all decode the whole batch."""
+        full = [i for i, (_, tokens) in enumerate(self.steps) if tokens == self.batch]
+        if len(full) < 2:  # the first requests ended before the last began, or max_tokens is 1
+            raise RuntimeError(f"no decode window: {len(full)} of {len(self.steps)} steps gave all {self.batch} "
+                               f"requests a token; give them more output tokens than the prefill takes steps")
+        return full[0], full[-1]
+
+    def figures(self) -> dict:
+        first, last = self.window()
+        return {"decode_s": self.steps[last][0] - self.steps[first][0],
+                "decode_tokens": sum(tokens for _, tokens in self.steps[first + 1:last + 1]),
+                "decode_steps": last - first}
 
 
 def thread_env(threads: int) -> dict[str, str]:
