@@ -660,8 +660,8 @@ def parse_pair(text: str) -> tuple[int, int]:
 
 def parse_ints(text: str) -> tuple[int, ...]:
     values = tuple(int(x) for x in text.split(","))
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < 1 or len(set(values)) < len(values):  # a point is named by its value
+        raise argparse.ArgumentTypeError(f"expected distinct positive integers, got {text!r}")
     return values
 
 
