@@ -91,10 +91,14 @@ class StrataRunner:
                       "preemptions": after["num_preemptions"] - before["num_preemptions"],
                       "phases_s": phases}
             if clock is not None:
+                from services.engine.model_runner import StepTimings
+
                 first, last = clock.window()
-                window = [t for t in step_phases[first + 1:last + 1] if t is not None]
-                answer.update(clock.figures(), decode_phases_s={
-                    name: sum(getattr(t, name) for t in window) for name in phases})
+                window = StepTimings()
+                for step in step_phases[first + 1:last + 1]:
+                    if step is not None:  # a step with no batch
+                        window.add(step)
+                answer.update(clock.figures(), decode_phases_s={name: getattr(window, name) for name in phases})
             return answer
 
         return generate, account
