@@ -24,7 +24,8 @@ import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
                                                                  "quant_linear.c", "lora.c",
-                                                                 "prefill_attention.c", "blocked_linear.c")]
+                                                                 "prefill_attention.c", "blocked_linear.c",
+                                                                 "decode_layers.c")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
 # The parts of -ffast-math that let gcc vectorize the dot products and sums, but not -ffast-math
 # itself: a shared object built with it sets flush-to-zero for the whole process that loads it
@@ -102,6 +103,8 @@ def _build() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, n, p, p, n, n, p, i, n, p, p, p, i, p, n, i]
         fn = getattr(lib, f"strata_prefill_attention_{suffix}")
         fn.restype, fn.argtypes = ctypes.c_int, [p, n, p, p, p, i, p, p, p, n, i, i, i, i, i, f, i]
+        fn = getattr(lib, f"strata_decode_layers_{suffix}")  # kernels/cpu/decode_layers.py
+        fn.restype, fn.argtypes = ctypes.c_int, [p, i, p]
     lib.strata_blocked_linear_available.restype, lib.strata_blocked_linear_available.argtypes = i, []
     lib.strata_blocked_linear_bf16.restype = i  # kernels/cpu/blocked_linear.py
     lib.strata_blocked_linear_bf16.argtypes = [p, n, n, n, p, n, p, p, n, i, i]

@@ -80,6 +80,8 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = arg(0.25, "share of available RAM for the KV cache on CPU", spec=False)
     cpu_kv_cache_max_bytes: int = arg(2 << 30, "KV cache bytes on CPU at most", spec=False)
     enable_cuda_graphs: bool = arg(True, "replay decode steps from CUDA graphs")
+    fuse_cpu_decode: bool = arg(True, "on CPU, run a decode step's layers in one C call (kernels/cpu/decode_layers.c) "
+                                      "rather than op by op")
     generation_config: str = arg("auto", "defaults for a request's unset sampling fields: auto (the model's "
                                          "generation_config.json, as vLLM), vllm (built-in defaults), or a "
                                          "directory holding a generation_config.json")

@@ -107,9 +107,13 @@ class Linear:
         primitive per shape; the blocked kernel and F.linear take any count as it is."""
         return self.packed is not None
 
+    def blocked_for(self, rows: int) -> blocked_linear.BlockedWeight | None:
+        """The blocked weight a call of `rows` rows runs on, or None where another kernel takes it."""
+        return self.blocked if self.blocked is not None and (self.packed is None or rows <= SMALL_CALL_ROWS) else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None and (self.packed is None or x.numel() <= SMALL_CALL_ROWS * self.in_features):
-            return blocked_linear.linear(x, self.blocked)
+        if (blocked := self.blocked_for(x.numel() // self.in_features)) is not None:
+            return blocked_linear.linear(x, blocked)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

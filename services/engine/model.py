@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
+from kernels.cpu.decode_layers import DecodeLayer, DecodeLayers
 from kernels.reference import compute_cos_sin_cache
 from services.engine.attention import AttentionMetadata
 from services.engine.checkpoint import Checkpoint
@@ -74,6 +76,8 @@ class LlamaModel:
         # oneDNN's packed matmuls run at bucketed row counts (linear.row_bucket): the step's rows are
         # padded once at the embedding, and attention writes its real rows into a padded buffer.
         self.pads_rows = all(isinstance(lin, Linear) and lin.wants_row_buckets for lin in self._linear_shapes())
+        self.decode_layers: DecodeLayers | None = None  # fuse_decode: decode steps in one C call
+        self._fusable_rows: dict[int, bool] = {}
 
     def _linear_shapes(self) -> list:
         """One linear of each shape (oneDNN's primitives are per shape, not per weight)."""
@@ -95,6 +99,37 @@ class LlamaModel:
                 for rows in sorted({row_bucket(r) for r in range(1, limit + 1)}):
                     lin(torch.zeros(rows, lin.in_features, dtype=self.dtype, device=self.device))
 
+    def fuse_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Runs decode-only steps through every layer in one C call from now on (kernels/cpu/
+        decode_layers.c: the same kernels on the same buffers, without a Python wrapper per op),
+        where this model can: on CPU with the torch ops, fp32 or bf16, every projection a plain
+        blocked Linear (no LoRA or quantized layers), caches of the model's dtype. Call it once
+        the layers are final. Returns whether it does."""
+        linears = [getattr(layer, n) for layer in self.layers for n in LAYER_LINEARS]
+        if not (self.device.type == "cpu" and self.ops.name == "torch" and self.dtype in cpu_kernels.KERNEL_DTYPES
+                and cpu_kernels.load() is not None and self.layers
+                and all(isinstance(lin, Linear) and lin.blocked_for(1) is not None for lin in linears)
+                and all(isinstance(c, torch.Tensor) and c.dtype == self.dtype for pair in kv_caches for c in pair)):
+            return False
+        c = self.config
+        self.decode_layers = DecodeLayers(
+            [DecodeLayer(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.qkv.blocked_for(1),
+                         layer.o.blocked_for(1), layer.gate_up.blocked_for(1), layer.down.blocked_for(1), k, v)
+             for layer, (k, v) in zip(self.layers, kv_caches)],
+            c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5, self.rope, self.dtype)
+        self._fusable_rows.clear()
+        return True
+
+    def _fuses(self, meta: AttentionMetadata, rows: int) -> bool:
+        """This step runs fused: decode tokens only, each projection on its blocked weight at this
+        many rows (an fp32 weight also held for oneDNN leaves bigger calls to it)."""
+        if self.decode_layers is None or meta.num_prefill_tokens or not rows:
+            return False
+        if (fuses := self._fusable_rows.get(rows)) is None:
+            fuses = self._fusable_rows[rows] = all(getattr(layer, n).blocked_for(rows) is not None
+                                                   for layer in self.layers for n in LAYER_LINEARS)
+        return fuses
+
     def weight_bytes(self) -> int:
         """Bytes of every weight as held (packed layouts included; a tied lm_head that shares
         the embedding's storage counted once)."""
@@ -110,6 +145,10 @@ class LlamaModel:
         ops, c = self.ops, self.config
         eps = c.rms_norm_eps
         n = input_ids.shape[0]
+        if self._fuses(meta, n):
+            h, residual = self.decode_layers(self.embed.index_select(0, input_ids), positions, meta.slot_mapping,
+                                             meta.decode_block_tables, meta.decode_context_lens)
+            return ops.rms_norm(h, self.norm, eps, residual)[0]
         rows = self.rows_for(n)
         attn_out = None
         if rows > n:  # padded rows: token 0 at position 0, never stored in the cache nor attended

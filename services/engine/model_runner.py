@@ -124,6 +124,8 @@ class ModelRunner:
         self.verify_as_decode_rows = self.ops.name == "torch" and self.device.type == "cpu"
         self.graphs = None
         self.prompt_logprob_rows: list[prompt_logprobs.PromptLogprobRows] = []  # of the batch prepare() flattened
+        if args.fuse_cpu_decode and self.lora is None:  # LoRA deltas run op by op
+            self.model.fuse_decode(self.kv_caches)
         # Decode graphs capture no LoRA deltas: with adapters every step runs eagerly.
         if self.device.type == "cuda" and args.enable_cuda_graphs and self.ops.name == "triton" and self.lora is None:
             from services.engine.cuda_graphs import DecodeGraphs
