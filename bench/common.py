@@ -55,3 +55,13 @@ def write_results(path: str | Path, args: argparse.Namespace, data: dict) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": vars(args), **data}, indent=2))
     print(f"wrote {path}")
+
+
+def run_shapes(args: argparse.Namespace, run_shape, plot) -> int:
+    """An engine bench over model shapes: `run_shape(key, args)` for each of args.shapes, the
+    results to args.out and `plot`'s figure to args.png (default: args.out's path with .png)."""
+    args.png = args.png or str(Path(args.out).with_suffix(".png"))
+    shapes = {key: run_shape(key, args) for key in args.shapes}
+    write_results(args.out, args, {"shapes": shapes})
+    plot(shapes, Path(args.png), args)
+    return 0

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import pyplot, write_results  # noqa: E402
+from bench.common import pyplot, run_shapes  # noqa: E402
 from bench.engine_realistic import MODES, TARGET_SAMPLED_OVER_GREEDY, parse_list, regular_token_ids  # noqa: E402
 from shared.realistic_models import SHAPES, ensure_model  # noqa: E402
 
@@ -161,13 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/sampled_vs_greedy.json")
     ap.add_argument("--png", help="default: --out's path with .png")
     args = ap.parse_args(argv)
-    args.png = args.png or str(Path(args.out).with_suffix(".png"))
     if args.rounds < 1 or args.steps < 1 or args.batch < 1:
         ap.error("--rounds, --steps and --batch must be at least 1")
-    shapes = {key: run_shape(key, args) for key in args.shapes}
-    write_results(args.out, args, {"shapes": shapes})
-    plot(shapes, Path(args.png), args)
-    return 0
+    return run_shapes(args, run_shape, plot)
 
 
 if __name__ == "__main__":
