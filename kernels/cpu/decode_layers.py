@@ -57,6 +57,9 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class DecodeLayers:
+    """The fused decode step of one model's layers over its caches; one step at a time (the step
+    struct is reused)."""
+
     def __init__(self, layers: list[DecodeLayer], num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, scale: float, cos_sin: torch.Tensor, dtype: torch.dtype):
         """Checks every operand once (dtypes, shapes, contiguity), so that a step checks only its own."""
@@ -91,7 +94,7 @@ class DecodeLayers:
                 layer.k_cache.shape[0] * layer.k_cache.shape[1], int(layer.gate_up.swiglu))
             self._held.append(layer)
         self.fuses_swiglu = all(layer.gate_up.swiglu for layer in layers)
-        self.dtype, self.hidden, self.intermediate, self.q_width, self.kv_width = dtype, hidden, inter, q_width, kv_width
+        self.dtype, self.hidden = dtype, hidden
         # A step's scratch rows, one buffer: (DECODE_STEP field, elements per token)
         self.scratch_widths = (("x", hidden), ("qkv", q_width + 2 * kv_width), ("attn", q_width), ("act", inter),
                                ("gate_up", 0 if self.fuses_swiglu else 2 * inter))
