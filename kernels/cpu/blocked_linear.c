@@ -55,6 +55,12 @@ int strata_blocked_linear_f32_available(void)
 #define LANES 16
 #define NT 4          /* blocks of 16 channels per work item (and per bf16 tile) */
 #define ROW_CHUNK 256 /* rows per work item: x's share of a chunk stays in L2/L3 */
+/* Threads claim the work a little at a time (schedule(dynamic)), at least this many claims a
+ * thread. With a fixed half each, a thread delayed for part of a call (the other core's work, an
+ * interrupt, another tenant on a shared machine) held the other at the call's end: timed ad hoc in
+ * L's fused decode step at 64 rows on a 2-core Xeon (fp32 path), the first thread to finish waited
+ * 36-54 ms of the 296-356 ms a step spent in linear layers, and 4-19 ms with dynamic claims. */
+#define CLAIMS_PER_THREAD 8
 
 #if defined(__AVX512BF16__)
 #define MT 4          /* rows of x per tile */
@@ -133,7 +139,8 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
     const long pairs = K / 2, block_words = pairs * LANES, half = N / 2;
     const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
     const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if(items > 1)
+    const long claim = items / ((num_threads > 1 ? num_threads : 1) * (long)CLAIMS_PER_THREAD) + 1;
+    #pragma omp parallel for schedule(dynamic, claim) num_threads(num_threads) if(items > 1)
     for (long item = 0; item < items; item++) {
         const long g = item / chunks, chunk = item % chunks;
         const long b0 = g * NT, blocks = n_blocks - b0 < NT ? n_blocks - b0 : NT;
@@ -160,9 +167,9 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
  * weights, from half the bytes. A pair word w holds W[c, 2p] in its low half and W[c, 2p+1] in
  * its high half, so w << 16 and w & 0xffff0000 are the two fp32 weights.
  *
- * Work: each thread takes a contiguous share of the blocks of 16 channels and walks it (for up to
- * F32_MC rows, group by group: F32_GROUP_Y_BYTES) once per pass of F32_KC inputs (the pass's slice
- * of a tile's rows stays in L1) and F32_MC rows. y holds
+ * Work: the blocks of 16 channels run in groups (f32_group_blocks), which the threads claim one at
+ * a time; a group is walked once per pass of F32_KC inputs (the pass's slice of a tile's rows stays
+ * in L1) and F32_MC rows. y holds
  * the sums between passes (fp32 to fp32: exact), so every output is summed from its bias in input
  * order whatever the tile, path or thread count: a row gets the same bits in any batch.
  *
@@ -393,6 +400,50 @@ static void tile_f32(const float *panel, int rows, int blocks, const float *x, l
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Blocks a group of a decode batch (up to F32_MC rows): as many as keep F32_GROUP_Y_BYTES of sums
+ * in cache between passes, and few enough that each thread has CLAIMS_PER_THREAD of them; whole
+ * tiles, or an even split of a small weight. */
+static long f32_group_blocks(long M, long n_blocks, long tile_blocks, long threads)
+{
+    long group = F32_GROUP_Y_BYTES / (M * LANES * (long)sizeof(float));
+    const long share = n_blocks / (threads * CLAIMS_PER_THREAD);
+    if (group > share) group = share;
+    if (group >= tile_blocks) return group / tile_blocks * tile_blocks;
+    const long even = (n_blocks + threads - 1) / threads;
+    return even < tile_blocks ? even : tile_blocks;
+}
+
+/* Blocks [j_begin, j_end) over all of x: pass by pass of F32_KC inputs, F32_MC rows at a time. */
+static inline void f32_blocks(long j_begin, long j_end, const float *x, long M, long K, long x_stride,
+                              const uint32_t *w, long block_words, long N, const float *bias, float *y,
+                              long y_stride, int tile_blocks, int tile_rows, float *panel)
+{
+    for (long k0 = 0; k0 < K; k0 += F32_KC) {
+        const long inputs = K - k0 < F32_KC ? K - k0 : F32_KC;
+        for (long i0 = 0; i0 < M; i0 += F32_MC) {
+            const long i_end = i0 + F32_MC < M ? i0 + F32_MC : M;
+            for (long j = j_begin; j < j_end; j += tile_blocks) {
+                const int blocks = j_end - j < tile_blocks ? (int)(j_end - j) : tile_blocks;
+                const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
+                const long last = N - (j + blocks - 1) * LANES;
+                if (panel) widen(wj, inputs / 2, panel);
+                /* the pass's rows in as few tiles as tile_rows allows, of near-equal heights: a thin
+                 * last tile (16 rows as 5+5+5+1) has too few sums to keep the FMA units busy */
+                const long tiles = (i_end - i0 + tile_rows - 1) / tile_rows;
+                for (long t_i = 0, i = i0; t_i < tiles; t_i++) {
+                    const long i_next = i0 + (i_end - i0) * (t_i + 1) / tiles;
+                    tile_f32(panel, (int)(i_next - i), blocks, x + i * x_stride + k0, x_stride, wj, block_words,
+                             inputs, bias ? bias + j * LANES : NULL, k0 > 0, y + i * y_stride + j * LANES,
+                             y_stride, last < LANES ? (int)last : LANES);
+                    i = i_next;
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* x: [M][K] fp32, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight (mode
  * PLAIN); bias: fp32 [N padded to 16] or NULL; y: [M][N] fp32, rows y_stride apart. Returns 0;
  * -1 where this CPU has no AVX2 and FMA (the caller checked _f32_available first). */
@@ -412,39 +463,24 @@ int strata_blocked_linear_f32(const float *x, long M, long K, long x_stride, con
     const int tile_blocks = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const int tile_rows = panel ? PANEL_ROWS : DIRECT_ROWS; /* the most a tile takes: passes split evenly */
 #endif
-    /* a thread's blocks run in groups whose sums stay in cache between passes; prefill chunks (more
-     * than F32_MC rows) run all of them each pass (grouping them there was within the noise) */
-    const long group_blocks = M > F32_MC ? n_blocks : F32_GROUP_Y_BYTES / (M * LANES * (long)sizeof(float));
-    const long group = group_blocks < tile_blocks ? tile_blocks : group_blocks / tile_blocks * tile_blocks;
-    #pragma omp parallel num_threads(num_threads) if(n_blocks > 1)
+    /* A prefill chunk (more than F32_MC rows) splits the blocks in halves: each pass's slice of x
+     * serves all of a thread's blocks from cache (in groups, x came back from memory for each group:
+     * 0.77-0.88x as fast at 1024-2048 rows, ad hoc). A decode batch's groups are claimed in turn. */
+    const int split = M > F32_MC;
+    const long group = split ? 0 : f32_group_blocks(M, n_blocks, tile_blocks, num_threads > 1 ? num_threads : 1);
+    #pragma omp parallel num_threads(num_threads) if(split ? n_blocks > 1 : group < n_blocks)
     {
         float panel_buf[F32_KC * LANES] __attribute__((aligned(32)));
-        const long t = omp_get_thread_num(), threads = omp_get_num_threads();
-        const long j_begin = n_blocks * t / threads, j_end = n_blocks * (t + 1) / threads;
-        for (long g = j_begin; g < j_end; g += group) {
-            const long g_end = g + group < j_end ? g + group : j_end;
-            for (long k0 = 0; k0 < K; k0 += F32_KC) {
-                const long inputs = K - k0 < F32_KC ? K - k0 : F32_KC;
-                for (long i0 = 0; i0 < M; i0 += F32_MC) {
-                    const long i_end = i0 + F32_MC < M ? i0 + F32_MC : M;
-                    for (long j = g; j < g_end; j += tile_blocks) {
-                        const int blocks = g_end - j < tile_blocks ? (int)(g_end - j) : tile_blocks;
-                        const uint32_t *wj = w + j * block_words + k0 / 2 * LANES;
-                        const long last = N - (j + blocks - 1) * LANES;
-                        if (panel) widen(wj, inputs / 2, panel_buf);
-                        /* the pass's rows in as few tiles as tile_rows allows, of near-equal heights: a
-                         * thin last tile (16 rows as 5+5+5+1) has too few sums to keep the FMA units busy */
-                        const long tiles = (i_end - i0 + tile_rows - 1) / tile_rows;
-                        for (long t_i = 0, i = i0; t_i < tiles; t_i++) {
-                            const long i_next = i0 + (i_end - i0) * (t_i + 1) / tiles;
-                            tile_f32(panel ? panel_buf : NULL, (int)(i_next - i), blocks, x + i * x_stride + k0,
-                                     x_stride, wj, block_words, inputs, bias ? bias + j * LANES : NULL, k0 > 0,
-                                     y + i * y_stride + j * LANES, y_stride, last < LANES ? (int)last : LANES);
-                            i = i_next;
-                        }
-                    }
-                }
-            }
+        float *panel_arg = panel ? panel_buf : NULL;
+        if (split) {
+            const long t = omp_get_thread_num(), threads = omp_get_num_threads();
+            f32_blocks(n_blocks * t / threads, n_blocks * (t + 1) / threads, x, M, K, x_stride, w, block_words, N,
+                       bias, y, y_stride, tile_blocks, tile_rows, panel_arg);
+        } else {
+            #pragma omp for schedule(dynamic, 1) nowait
+            for (long g = 0; g < n_blocks; g += group)
+                f32_blocks(g, g + group < n_blocks ? g + group : n_blocks, x, M, K, x_stride, w, block_words, N,
+                           bias, y, y_stride, tile_blocks, tile_rows, panel_arg);
         }
     }
     return 0;

@@ -36,16 +36,17 @@ def assert_fp32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
 
 
 # (out features, in features, rows): partial blocks (N of 1, 17, 40, 97); one row over 1-4 blocks
-# (on 2 threads: N = 48, shares of 1 and 2 blocks; 222, 7 each: tiles of 4 and 3; 250, 8 each, the
-# last tile of 4 ending in the partial block); two and three rows over 2 blocks (N = 56 and 40: a
-# thread's tile of 2 ending in the partial block; 97 by 600: 3 and 4 blocks a thread, over passes);
-# direct tiles of 2-5 rows and pass heights split near-evenly (rows 6-9: 3+3, 3+4, 4+4, 4+5);
-# panel tiles from 64 rows (rows 64-69: 11 or 12 tiles of 5 and 6; 130 and 300 rows: passes of
-# 120); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88; 1024); a thread's
-# blocks in several groups of 32 KB of sums (1, 3, 9, 64 and 120 rows: groups of 512, 170, 56, 8
-# and 4 blocks, the last group short and ending in the partial block). With AVX-512: tiles of 10-12
-# rows (rows 12, 23, 36: 12, 11+12, 12+12+12) by 2 blocks and by 1 (N = 48 and 80: a thread's odd
-# share of blocks ends in a one-block tile).
+# (on 2 threads: N = 48, groups of 2 and 1 blocks; 222: 4, 4, 4 and 2; 250: four of 4, the last
+# tile of 4 ending in the partial block); two and three rows over 2 blocks (N = 56 and 40: a tile
+# of 2 ending in the partial block; 97 by 600: groups of 2, over passes); direct tiles of 2-5 rows
+# and pass heights split near-evenly (rows 6-9: 3+3, 3+4, 4+4, 4+5); panel tiles from 64 rows
+# (rows 64-69: 11 or 12 tiles of 5 and 6); prefill chunks of 130 and 300 rows (passes of 120, the
+# blocks split in halves); K of 2 (one pair), K past a pass of 256 inputs (600: 256 + 256 + 88;
+# 1024); groups claimed in turn, at least 8 a thread and at most 32 KB of sums (17000 x 1: 17
+# groups of 64 blocks, the last of 39 ending in the partial block; 5600 x 3: groups of 20; 2000 x
+# 9: 6 or 7; 630 x 64 and 200 x 120: 2 or 1). With AVX-512: tiles of 10-12 rows (rows 12, 23, 36:
+# 12, 11+12, 12+12+12) by 2 blocks and by 1 (N = 48 and 80: 3 and 5 blocks, the last group a
+# one-block tile).
 SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 96, 9), (64, 2, 4),
           (1152, 896, 1), (300, 64, 300), (1290, 1024, 3), (33, 16, 6), (48, 8, 8), (16, 8, 1),
           (48, 600, 1), (97, 600, 64), (40, 600, 65), (33, 34, 66), (17, 2, 67), (112, 600, 68),
@@ -97,10 +98,9 @@ def test_bf16_exact_reads_the_low_bits():
 @pytest.mark.parametrize("n", [118, 1000])
 def test_a_row_gets_the_same_bits_in_any_batch(n):
     """Every path sums a channel from its bias in input order (fp32 y between passes), so the
-    direct tile, one row over 4 blocks (N = 118: 8 blocks, 4 a thread on 2), two and three over 2,
-    and the panel tile agree to the bit, whatever heights a batch's tiles get, and whether a
-    thread's blocks run in one group or several (N = 1000: 31 and 32 blocks a thread, in groups of
-    8 at 63 and 64 rows)."""
+    direct tile, one row over 4 blocks (N = 118: 8 blocks, two groups of 4), two and three over 2,
+    and the panel tile agree to the bit, whatever heights a batch's tiles get and however the
+    blocks are grouped (N = 1000: 63 blocks in groups of 2-4 up to 64 rows, halves from 127)."""
     g = torch.Generator().manual_seed(3)
     w, bias = bf16_valued(n, 600, generator=g), torch.randn(n, generator=g)
     packed = blocked_linear.pack(w.bfloat16(), bias)
@@ -109,6 +109,27 @@ def test_a_row_gets_the_same_bits_in_any_batch(n):
     assert_fp32_product(whole, x, w, bias)
     for rows in (1, 2, 3, 5, 16, 63, 64, 127):
         assert torch.equal(blocked_linear.linear(x[-rows:], packed), whole[-rows:])
+
+
+@pytest.mark.parametrize("n,rows", [(1000, 1), (1000, 3), (1000, 16), (1000, 64), (40, 2), (17000, 1)])
+def test_groups_claimed_by_any_number_of_threads_give_the_same_bits(n, rows):
+    """Decode batches' groups of blocks go to whichever thread claims them first: with more
+    threads than cores (claims interleave differently every call) or than groups, every output
+    still comes from one tile summing in input order."""
+    g = torch.Generator().manual_seed(n + rows)
+    w, bias = bf16_valued(n, 600, generator=g), torch.randn(n, generator=g)
+    packed = blocked_linear.pack(w.bfloat16(), bias)
+    x = torch.randn(rows, 600, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3, 5, 1, 3):
+            torch.set_num_threads(count)
+            outs.append(blocked_linear.linear(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    assert_fp32_product(outs[0], x, w, bias)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @pytest.mark.skipif(not blocked_linear.f32_outruns_onednn(), reason="AVX-512 here: oneDNN takes the large calls")
