@@ -7,6 +7,7 @@ is available, `load()` returns None and callers use their plain torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -22,11 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "sampling.c",
-                                                                 "quant_linear.c", "lora.c",
-                                                                 "prefill_attention.c", "blocked_linear.c",
-                                                                 "decode_layers.c")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("strata_math.h", "strata_dot16.h")]
+SOURCES = ("paged_attention.c", "layer_ops.c", "sampling.c", "quant_linear.c", "lora.c", "prefill_attention.c",
+           "blocked_linear.c", "decode_layers.c")
+HEADERS = ("strata_math.h", "strata_dot16.h")
 # The parts of -ffast-math that let gcc vectorize the dot products and sums, but not -ffast-math
 # itself: a shared object built with it sets flush-to-zero for the whole process that loads it
 # (crtfastmath), changing everyone's floating point.
@@ -55,11 +54,12 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(directory: Path = Path(__file__).parent) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    source = b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)
+    sources = [directory / name for name in SOURCES]
+    source = b"".join((directory / name).read_bytes() for name in SOURCES + HEADERS)
     flags = list(CFLAGS)
     # -march=native: the object is only valid on this CPU model, so the CPU is part of the key.
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
@@ -68,7 +68,7 @@ def _build() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 return None
@@ -160,6 +160,27 @@ def load() -> ctypes.CDLL | None:
                     _lib = None
             _tried = True
         return _lib
+
+
+def build(directory: Path) -> ctypes.CDLL | None:
+    """The kernels as built from another copy of their sources (SOURCES and HEADERS in
+    `directory`, e.g. a git revision's), with load()'s flags and declarations; None where they do
+    not compile. For benches that compare builds in one process (bench/kernels_ab.py)."""
+    return _build(Path(directory))
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL):
+    """Every kernel call inside the block goes to `lib` (a build()), not load()'s: callers look
+    their functions up through load() at each call. Not for serving: one engine thread at a time."""
+    global _lib
+    load()
+    previous = _lib
+    _lib = lib
+    try:
+        yield lib
+    finally:
+        _lib = previous
 
 
 def heads_contiguous(t: torch.Tensor) -> bool:

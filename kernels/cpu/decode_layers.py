@@ -63,7 +63,7 @@ class DecodeLayers:
     def __init__(self, layers: list[DecodeLayer], num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, scale: float, cos_sin: torch.Tensor, dtype: torch.dtype):
         """Checks every operand once (dtypes, shapes, contiguity), so that a step checks only its own."""
-        if dtype not in cpu_kernels.KERNEL_DTYPES or (lib := cpu_kernels.load()) is None:
+        if dtype not in cpu_kernels.KERNEL_DTYPES or cpu_kernels.load() is None:
             raise ValueError(f"the fused decode step runs fp32 or bf16 with the CPU kernels built, not {dtype}")
         first = layers[0]
         hidden, inter = first.input_norm.numel(), first.down.in_features
@@ -103,7 +103,7 @@ class DecodeLayers:
                             ("head_dim", head_dim), ("intermediate", inter), ("block_size", first.k_cache.shape[1]),
                             ("eps", eps), ("scale", scale), ("cos_sin", cos_sin.data_ptr())):
             self.step[name] = value
-        self._run = getattr(lib, f"strata_decode_layers_{cpu_kernels.KERNEL_DTYPES[dtype]}")
+        self._function = f"strata_decode_layers_{cpu_kernels.KERNEL_DTYPES[dtype]}"  # looked up per step: see using()
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +130,7 @@ class DecodeLayers:
         s["positions"], s["slots"] = positions.data_ptr(), slot_mapping.data_ptr()
         s["block_tables"], s["context_lens"] = block_tables.data_ptr(), context_lens.data_ptr()
         s["max_blocks"], s["threads"] = block_tables.shape[1], torch.get_num_threads()
-        rc = self._run(self.table.ctypes.data, len(self.table), s.ctypes.data)
+        rc = getattr(cpu_kernels.load(), self._function)(self.table.ctypes.data, len(self.table), s.ctypes.data)
         if rc:
             layer, code = divmod(-rc, 16)
             raise RuntimeError(f"fused decode step failed in layer {layer}: {FAILURES.get(-code, f'code {-code}')}")
