@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,3 +70,25 @@ def run_shapes(args: argparse.Namespace, run_shape, plot) -> int:
     write_results(args.out, args, {"shapes": shapes})
     plot(shapes, Path(args.png), args)
     return 0
+
+
+def resolve_revision(rev: str, flag: str = "--baseline") -> str:
+    """`rev`'s commit hash (what the results record), or exit naming it."""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        sys.exit(f"{flag} {rev}: not a revision of this repository")
+    return found.stdout.strip()
+
+
+def revision_kernel_sources(rev: str, names: tuple[str, ...] | list[str], flag: str = "--baseline") -> Path:
+    """A temporary directory holding kernels/cpu/<name> for each of `names` as they were at git
+    revision `rev`, or exit naming the one that was not there."""
+    tmp = Path(tempfile.mkdtemp(prefix="strata-kernels-"))
+    for name in names:
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/cpu/{name}"],
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            sys.exit(f"{flag} {rev}: no kernels/cpu/{name} there ({shown.stderr.strip()})")
+        (tmp / name).write_text(shown.stdout)
+    return tmp

@@ -39,7 +39,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import resolve_revision, revision_kernel_sources, write_results  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
 from kernels.reference import paged_decode_attention_ref  # noqa: E402
 
@@ -78,15 +78,6 @@ long strata_stream_blocks(const char *k, const char *v, const int32_t *tables, i
 """
 
 
-def resolve_revision(rev: str) -> str:
-    """`rev`'s commit hash (what the results record), or exit naming it."""
-    found = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-                           capture_output=True, text=True)
-    if found.returncode != 0:
-        sys.exit(f"--baseline {rev}: not a revision of this repository")
-    return found.stdout.strip()
-
-
 def c_function(lib: ctypes.CDLL, dtype: torch.dtype):
     """The decode kernel's C function for `dtype` in a build of paged_attention.c, declared."""
     fn = getattr(lib, f"strata_paged_decode_attention_{cpu_kernels.KERNEL_DTYPES[dtype]}")
@@ -97,13 +88,7 @@ def c_function(lib: ctypes.CDLL, dtype: torch.dtype):
 def baseline_kernel(rev: str, dtype: torch.dtype):
     """The decode kernel's C function as built from git revision `rev` (paged_attention.c and its
     headers), with the flags the engine's build uses."""
-    tmp = Path(tempfile.mkdtemp())
-    for name in ("paged_attention.c", "strata_math.h", "strata_dot16.h"):
-        shown = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{rev}:kernels/cpu/{name}"],
-                               capture_output=True, text=True)
-        if shown.returncode != 0:
-            sys.exit(f"--baseline {rev}: no kernels/cpu/{name} there ({shown.stderr.strip()})")
-        (tmp / name).write_text(shown.stdout)
+    tmp = revision_kernel_sources(rev, ("paged_attention.c", *cpu_kernels.HEADERS))
     subprocess.run(["gcc", *cpu_kernels.CFLAGS, str(tmp / "paged_attention.c"), "-o", str(tmp / "base.so"), "-lm"],
                    check=True)
     return c_function(ctypes.CDLL(str(tmp / "base.so")), dtype)

@@ -46,11 +46,11 @@ def params(mode: str, n: int, max_tokens: int) -> list:
             for i in range(n)]
 
 
-def timed_steps(llm, prompts: list[list[int]], mode: str, steps: int) -> dict:
-    """Adds one batch of `mode` requests, warms up (their whole prefill, however many chunks it
-    takes, then a few decode steps), times `steps` decode steps, then runs the batch to its end."""
+def start_batch(llm, prompts: list[list[int]], mode: str, decode_steps: int) -> None:
+    """Adds one batch of `mode` requests with room for `decode_steps` timed decode steps, and
+    warms it up: their whole prefill, however many chunks it takes, then a few decode steps."""
     engine = llm.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params(mode, len(prompts), WARMUP_STEPS + steps + 2))):
+    for i, (prompt, p) in enumerate(zip(prompts, params(mode, len(prompts), WARMUP_STEPS + decode_steps + 2))):
         engine.add_request(f"{mode}-{time.monotonic_ns()}-{i}", prompt, p)
     # Long prompts take several steps of chunks, none of which may be timed: the prefill is over
     # once a step gives every request a token.
@@ -63,6 +63,13 @@ def timed_steps(llm, prompts: list[list[int]], mode: str, steps: int) -> dict:
         new_tokens = llm.stats()["generated_tokens"] - generated
     for _ in range(WARMUP_STEPS):
         engine.step()
+
+
+def timed_steps(llm, prompts: list[list[int]], mode: str, steps: int) -> dict:
+    """Adds and warms up one batch of `mode` requests (start_batch), times `steps` decode steps,
+    then runs the batch to its end."""
+    engine = llm.engine
+    start_batch(llm, prompts, mode, steps)
     before, start = llm.stats(), time.perf_counter()
     for _ in range(steps):
         engine.step()
