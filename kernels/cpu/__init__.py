@@ -165,7 +165,8 @@ def load() -> ctypes.CDLL | None:
 def build(directory: Path) -> ctypes.CDLL | None:
     """The kernels as built from another copy of their sources (SOURCES and HEADERS in
     `directory`, e.g. a git revision's), with load()'s flags and declarations; None where they do
-    not compile. For benches that compare builds in one process (bench/kernels_ab.py)."""
+    not compile, AttributeError where they lack a function load()'s declare. For benches that
+    compare builds in one process (bench/kernels_ab.py)."""
     return _build(Path(directory))
 
 
