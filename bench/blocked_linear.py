@@ -67,11 +67,17 @@ def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float, fp
     x = torch.randn(rows, k, dtype=dtype)
     calls = {"onednn": lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
              "blocked": lambda w: blocked_linear.linear(x, w)}
+    # With AMX, the blocked weights run twice: on AVX512-BF16's vector tiles ("blocked") and on AMX's
+    amx = not fp32 and cpu_kernels.use_amx(True)
+    if amx:
+        layouts["amx"], calls["amx"] = layouts["blocked"], calls["blocked"]
     flops = 2 * n * k * rows
     reps = max(1, int(2e9 / (flops * copies) + 0.5)) if rows > 16 else max(1, int(4e8 / (n * k * 2 * copies)))
     best = {}
     for _ in range(rounds):
         for name, weights in layouts.items():
+            if amx:
+                cpu_kernels.use_amx(name == "amx")
             for w in weights:  # warm: primitives built, pages touched
                 calls[name](w)
             start = time.perf_counter()
@@ -84,6 +90,10 @@ def kernel_point(n: int, k: int, rows: int, rounds: int, budget_bytes: float, fp
         point[f"{name}_us"] = seconds * 1e6
         point[f"{name}_gflops"] = flops / seconds / 1e9
     point["blocked_vs_onednn"] = best["onednn"] / best["blocked"]
+    if amx:
+        cpu_kernels.use_amx(True)
+        point["amx_vs_onednn"] = best["onednn"] / best["amx"]
+        point["amx_vs_blocked"] = best["blocked"] / best["amx"]
     return point
 
 
@@ -189,26 +199,32 @@ def engine_ab(key: str, batches: list[int], prefill_len: int, repeats: int, thre
             blocked_linear.available, cpu_kernels.huge_page_empty = real_available, real_huge
         print(f"  {key} {name}: linears held {'/'.join(held_layouts(engines[name]))}", flush=True)
     result = {}
-    # the last arm runs the blocked engine with its gate/up linears' SwiGLU apart
+    # the blocked engine again with its gate/up linears' SwiGLU apart; with AMX, once more on
+    # AVX512-BF16's vector tiles
+    amx = cpu_kernels.amx()
     arms = {**engines, "blocked_swiglu_apart": engines["blocked"]}
+    if amx:
+        arms["blocked_vector_tiles"] = engines["blocked"]
 
-    def set_swiglu(name: str) -> None:
+    def before(name: str) -> None:
         for layer in engines["blocked"].engine.runner.model.layers:
             if layer.gate_up.layout == "blocked":
                 layer.gate_up.fuses_swiglu = name != "blocked_swiglu_apart"
+        if amx:
+            cpu_kernels.use_amx(name != "blocked_vector_tiles")
 
     for label, prompts, max_tokens in engine_points(engines["blocked"], batches, prefill_len):
-        median = alternate(arms, prompts, max_tokens, repeats, before=set_swiglu)
-        set_swiglu("blocked")
+        median = alternate(arms, prompts, max_tokens, repeats, before=before)
+        before("blocked")
         tokens = len(prompts) * (max_tokens - 1) if max_tokens > 1 else prefill_len
-        result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()},
-                         "blocked_vs_onednn": median["onednn"] / median["blocked"],
-                         "huge_pages_vs_4k": median["blocked_4k"] / median["blocked"],
-                         "swiglu_fused_vs_apart": median["blocked_swiglu_apart"] / median["blocked"]}
+        ratios = {"blocked_vs_onednn": median["onednn"] / median["blocked"],
+                  "huge_pages_vs_4k": median["blocked_4k"] / median["blocked"],
+                  "swiglu_fused_vs_apart": median["blocked_swiglu_apart"] / median["blocked"]}
+        if amx:
+            ratios["amx_vs_vector_tiles"] = median["blocked_vector_tiles"] / median["blocked"]
+        result[label] = {**{f"{name}_tokens_per_s": tokens / s for name, s in median.items()}, **ratios}
         print(f"  {key} {label:14s} " + "  ".join(f"{name} {tokens / s:8.1f}" for name, s in median.items())
-              + f" tok/s  blocked/onednn x{median['onednn'] / median['blocked']:.2f}  huge pages/4 KB "
-              f"x{median['blocked_4k'] / median['blocked']:.2f}  SwiGLU fused/apart "
-              f"x{median['blocked_swiglu_apart'] / median['blocked']:.2f}", flush=True)
+              + " tok/s  " + "  ".join(f"{name} x{r:.2f}" for name, r in ratios.items()), flush=True)
     return result
 
 
@@ -224,7 +240,7 @@ def plot(points: list[dict], path: Path, fp32: bool) -> None:
     for ax, (n, k) in zip(axes.flat, shapes):
         pts = sorted((p for p in points if (p["n"], p["k"]) == (n, k)), key=lambda p: p["rows"])
         rows = [p["rows"] for p in pts]
-        for name in ("onednn", "blocked"):
+        for name in [n for n in ("onednn", "blocked", "amx") if f"{n}_gflops" in pts[0]]:
             ax.plot(rows, [p[f"{name}_gflops"] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{n} x {k}")
@@ -270,8 +286,10 @@ def main() -> None:
                 p = kernel_point(n, k, rows, args.rounds, args.weight_mib * 2**20, args.fp32)
                 points.append({"model": key, **p})
                 extra = f"  {n * k * 2 / p['blocked_us'] / 1e3:5.1f} GB/s of weight" if rows == 1 else ""
+                amx = (f"  amx {p['amx_gflops']:6.1f} (x{p['amx_vs_onednn']:.2f} onednn, x{p['amx_vs_blocked']:.2f} "
+                       "blocked)") if "amx_gflops" in p else ""
                 print(f"{key} {n:6d}x{k:4d} rows {rows:4d}: onednn {p['onednn_gflops']:6.1f}  blocked "
-                      f"{p['blocked_gflops']:6.1f} GFLOP/s  x{p['blocked_vs_onednn']:.2f}{extra}", flush=True)
+                      f"{p['blocked_gflops']:6.1f} GFLOP/s  x{p['blocked_vs_onednn']:.2f}{amx}{extra}", flush=True)
     run_engine = engine_ab_fp32 if args.fp32 else engine_ab
     engine = {key: run_engine(key, [int(b) for b in args.engine_batches.split(",")], args.prefill_len, args.repeats,
                              args.threads)

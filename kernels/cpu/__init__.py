@@ -108,6 +108,9 @@ def _build(directory: Path = Path(__file__).parent) -> ctypes.CDLL | None:
     lib.strata_blocked_linear_available.restype, lib.strata_blocked_linear_available.argtypes = i, []
     lib.strata_blocked_linear_bf16.restype = i  # kernels/cpu/blocked_linear.py
     lib.strata_blocked_linear_bf16.argtypes = [p, n, n, n, p, n, p, p, n, i, i]
+    if hasattr(lib, "strata_amx"):  # an older revision's sources (bench/kernels_ab.py) lack it
+        lib.strata_amx.restype, lib.strata_amx.argtypes = i, [i]
+        lib.strata_amx(-1)  # AMX tiles wherever the CPU and the OS allow them
     lib.strata_blocked_linear_f32_available.restype, lib.strata_blocked_linear_f32_available.argtypes = i, []
     lib.strata_blocked_linear_f32.restype = i
     lib.strata_blocked_linear_f32.argtypes = [p, n, n, n, p, n, p, p, n, i]
@@ -182,6 +185,22 @@ def using(lib: ctypes.CDLL):
         yield lib
     finally:
         _lib = previous
+
+
+def amx() -> bool:
+    """The bf16 kernels run on AMX tiles (the blocked linear where K is a multiple of 32, prefill
+    attention where head_dim is): this CPU has them, the OS let this process use them, and
+    `use_amx` did not turn them off."""
+    lib = load()
+    return lib is not None and hasattr(lib, "strata_amx") and lib.strata_amx(-1) == 1
+
+
+def use_amx(on: bool) -> bool:
+    """Run the bf16 kernels on AMX tiles (on, where there are) or on AVX512-BF16's vector tiles
+    (off); returns whether they run on AMX now. For benches and tests: the two give the same sums
+    up to their order, and AMX is used by default wherever it is."""
+    lib = load()
+    return lib is not None and hasattr(lib, "strata_amx") and lib.strata_amx(int(on)) == 1
 
 
 def heads_contiguous(t: torch.Tensor) -> bool:

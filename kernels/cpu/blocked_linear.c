@@ -7,7 +7,8 @@
  * of those calls, each bound by the bytes of weight it reads. This layout makes each thread's
  * share of W one sequential stream, and one instruction (vdpbf16ps) multiplies 16 output channels
  * by a pair of inputs: one row reads W 1.2-1.9x faster than oneDNN does, and from 16 rows to
- * prefill chunks the same loop runs within a few percent of oneDNN (bench/blocked_linear.py).
+ * prefill chunks the same loop runs within a few percent of oneDNN (bench/blocked_linear.py, on a
+ * Zen 4). Where the CPU has AMX, its tiles take the same layout (strata_amx, below).
  *
  * Layout (kernels/cpu/blocked_linear.py writes it): W's N rows padded to a multiple of 16, as
  * [N/16][K/2][16] 32-bit words; word (b, p, l) holds the bf16 pair W[16b + l, 2p], W[16b + l, 2p+1]
@@ -72,6 +73,25 @@ static inline long block_column(long block, long half, int mode) {
     return mode == PLAIN ? block * LANES : (block & 1) * half + (block >> 1) * LANES;
 }
 
+/* One row's sums of `blocks` blocks from block b0 on, rounded to bf16 once into its row of y;
+ * `valid` channels of the last block are stored. GATED_SWIGLU: blocks come in (gate, up) pairs
+ * (b0 and blocks even), and silu(gate) * up is stored. */
+static inline __attribute__((always_inline)) void store_row(const __m512 *sums, int blocks, long b0, int valid,
+                                                            uint16_t *y_row, long half, int mode)
+{
+    if (mode == GATED_SWIGLU) {
+        for (int b = 0; b + 1 < blocks; b += 2)
+            bf16x16_store(y_row + ((b0 + b) >> 1) * LANES, silu_mul16(bf16x16_round(sums[b]), bf16x16_round(sums[b + 1])));
+        return;
+    }
+    for (int b = 0; b < blocks; b++) {
+        const __m256i out = bf16x16_narrow(sums[b]);
+        uint16_t *dst = y_row + block_column(b0 + b, half, mode);
+        if (b < blocks - 1 || valid == LANES) _mm256_storeu_si256((__m256i *)dst, out);
+        else _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), out);
+    }
+}
+
 /* rows (<= MT) x blocks (<= NT) of y, from block b0 on (y: the tile's first row); `valid`
  * channels of the last block are stored. */
 static inline __attribute__((always_inline)) void tile(const int rows, const int blocks, const uint16_t *x,
@@ -94,20 +114,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
             for (int b = 0; b < blocks; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
         }
     }
-    if (mode == GATED_SWIGLU) {  /* blocks come in (gate, up) pairs: b0 and blocks are even */
-        for (int m = 0; m < rows; m++)
-            for (int b = 0; b + 1 < blocks; b += 2)
-                bf16x16_store(y + m * y_stride + ((b0 + b) >> 1) * LANES,
-                              silu_mul16(bf16x16_round(acc[m][b]), bf16x16_round(acc[m][b + 1])));
-        return;
-    }
-    for (int m = 0; m < rows; m++)
-        for (int b = 0; b < blocks; b++) {
-            const __m256i out = bf16x16_narrow(acc[m][b]);
-            uint16_t *dst = y + m * y_stride + block_column(b0 + b, half, mode);
-            if (b < blocks - 1 || valid == LANES) _mm256_storeu_si256((__m256i *)dst, out);
-            else _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1), out);
-        }
+    for (int m = 0; m < rows; m++) store_row(acc[m], blocks, b0, valid, y + m * y_stride, half, mode);
 }
 
 /* Every tile shape, so that each loop above has constant bounds (registers, no spills). */
@@ -126,6 +133,152 @@ static void tile_dispatch(int rows, int blocks, const uint16_t *x, long x_stride
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX: tdpbf16ps multiplies a tile of up to 16 rows by 16 pairs of inputs (A: rows of 64 bytes)
+ * with a tile of 16 pairs by 16 channels (B: 16 rows of 64 bytes) into 16 x 16 fp32 sums. The
+ * layout's block is already B's format: its pairs p..p+15 are 1 KB of consecutive 64-byte rows,
+ * so the same weights run here, read in place. One instruction does 256x the multiply-adds of a
+ * vdpbf16ps. On a 2-core Xeon with AMX (bench/blocked_linear.py, M's and L's ten shapes) the
+ * vector tiles ran 100-210 GFLOP/s from 16 rows on, whatever the row count, 0.08-0.74x oneDNN's
+ * bf16 matmul (which runs on AMX); these tiles ran 0.98-1.42x the vector tiles at one row,
+ * 2.0-3.8x at 16 rows, 3.5-5.9x at 64 and 4.4-10.5x at 2048: against oneDNN 1.15-1.71x at one
+ * row, 0.99-1.55x at 16-64 rows and 0.60-1.38x at 256-2048.
+ *
+ * A step multiplies two row tiles (32 rows of x) by two blocks (32 channels): tiles 0-3 hold the
+ * sums, 4-5 the rows' pairs, 6-7 the blocks' pairs. The sums start at the bias (a tile load with
+ * stride 0 repeats its 16 values on every row), as the vector tile's do; they are rounded once,
+ * at the store. Calls whose K is not a multiple of 32 (a tile's 16 pairs) take the vector path. */
+#define AMX_ROWS 16         /* rows of a tile */
+#define AMX_PAIRS 16        /* pairs of inputs a tile multiplies */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_enabled = -1;  /* -1: not asked yet; the process's permission is asked once */
+
+/* Whether the AMX tiles run the bf16 kernels (this file's and prefill_attention.c's): `on` 1
+ * asks for them, 0 turns them off, -1 only asks (the first time). Linux lets a process use the
+ * tiles' 8 KB of state only after asking (arch_prctl). */
+int strata_amx(int on)
+{
+    if (on == 0) amx_enabled = 0;
+    else if (on == 1 || amx_enabled == -1)
+        amx_enabled = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_enabled;
+}
+
+struct amx_config {  /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* This thread's tiles, every row 64 bytes: 0-1 and 4 of rows0 rows, 2-3 and 5 of rows1 (at
+ * least 1), 6-7 of 16 (a block's 16 pairs). */
+void strata_amx_configure(int rows0, int rows1)
+{
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, AMX_PAIRS, AMX_PAIRS};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
+        cfg.bytes_per_row[t] = 64;
+    }
+    /* not _tile_loadconfig: gcc 12's tells the compiler it reads 8 bytes, so the stores of the
+     * rows and widths were dropped as dead and ldtilecfg faulted on the stack's garbage */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+/* The product of a step's tiles, rows of `rows` sums in `sums` (row r's block b at r * 32 + 16 b),
+ * written to y as the vector tile writes its registers. */
+static void amx_store(const float *sums, int rows, int blocks, int valid, uint16_t *y, long y_stride, long b0,
+                      long half, int mode)
+{
+    for (int m = 0; m < rows; m++) {
+        const __m512 row[2] = {_mm512_loadu_ps(sums + m * 2 * LANES), _mm512_loadu_ps(sums + m * 2 * LANES + LANES)};
+        store_row(row, blocks, b0, valid, y + m * y_stride, half, mode);
+    }
+}
+
+/* rows0 + rows1 rows (as configured) of x by blocks (1 or 2) of w from block b0 on. */
+static void amx_step(int rows0, int rows1, int blocks, const uint16_t *x, long x_stride, long pairs,
+                     const uint32_t *w, long block_words, const float *bias, int valid, uint16_t *y, long y_stride,
+                     long b0, long half, int mode)
+{
+    const long xs = x_stride * 2;  /* bytes */
+    const uint16_t *x1 = x + AMX_ROWS * x_stride;
+    const uint32_t *w1 = w + block_words;
+    if (bias) {
+        _tile_loadd(0, bias, 0); _tile_loadd(2, bias, 0);
+        if (blocks > 1) { _tile_loadd(1, bias + LANES, 0); _tile_loadd(3, bias + LANES, 0); }
+    } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    }
+    for (long p = 0; p < pairs; p += AMX_PAIRS) {
+        _tile_loadd(4, x + 2 * p, xs);
+        _tile_loadd(6, w + p * LANES, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (blocks > 1) { _tile_loadd(7, w1 + p * LANES, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (rows1) {
+            _tile_loadd(5, x1 + 2 * p, xs);
+            _tile_dpbf16ps(2, 5, 6);
+            if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float sums[AMX_ROWS][2 * LANES];
+    _tile_stored(0, &sums[0][0], sizeof sums[0]);
+    if (blocks > 1) _tile_stored(1, &sums[0][LANES], sizeof sums[0]);
+    amx_store(&sums[0][0], rows0, blocks, valid, y, y_stride, b0, half, mode);
+    if (rows1) {
+        _tile_stored(2, &sums[0][0], sizeof sums[0]);
+        if (blocks > 1) _tile_stored(3, &sums[0][LANES], sizeof sums[0]);
+        amx_store(&sums[0][0], rows1, blocks, valid, y + AMX_ROWS * y_stride, y_stride, b0, half, mode);
+    }
+}
+
+/* strata_blocked_linear_bf16's work on the tiles: the same items (a group of NT blocks by a chunk
+ * of rows), claimed the same way, each walked in steps of 32 rows by 2 blocks. */
+static void amx_linear(const uint16_t *x, long M, long x_stride, long pairs, const uint32_t *w, long N,
+                       long n_blocks, long chunks, long items, long claim, const float *bias, uint16_t *y,
+                       long y_stride, int num_threads, long half, int mode)
+{
+    const long block_words = pairs * LANES;
+    #pragma omp parallel num_threads(num_threads) if(items > 1)
+    {
+        int configured = -1;  /* this thread's tiles' rows (rows0 * 32 + rows1) */
+        #pragma omp for schedule(dynamic, claim)
+        for (long item = 0; item < items; item++) {
+            const long g = item / chunks, chunk = item % chunks;
+            const long g0 = g * NT, g_blocks = n_blocks - g0 < NT ? n_blocks - g0 : NT;
+            const long r_end = (chunk + 1) * ROW_CHUNK < M ? (chunk + 1) * ROW_CHUNK : M;
+            for (long r = chunk * ROW_CHUNK; r < r_end; r += 2 * AMX_ROWS) {
+                const long left = r_end - r;
+                const int rows0 = left < AMX_ROWS ? (int)left : AMX_ROWS;
+                const int rows1 = left - rows0 < AMX_ROWS ? (int)(left - rows0) : AMX_ROWS;
+                if (configured != rows0 * 32 + rows1) {
+                    strata_amx_configure(rows0, rows1);
+                    configured = rows0 * 32 + rows1;
+                }
+                for (long b0 = g0; b0 < g0 + g_blocks; b0 += 2) {
+                    const int blocks = g0 + g_blocks - b0 < 2 ? 1 : 2;
+                    const long last = N - (b0 + blocks - 1) * LANES;
+                    amx_step(rows0, rows1, blocks, x + r * x_stride, x_stride, pairs, w + b0 * block_words,
+                             block_words, bias ? bias + b0 * LANES : NULL, last < LANES ? (int)last : LANES,
+                             y + r * y_stride, y_stride, b0, half, mode);
+                }
+            }
+        }
+        if (configured != -1) _tile_release();
+    }
+}
+#else
+int strata_amx(int on) { (void)on; return 0; }
+void strata_amx_configure(int rows0, int rows1) { (void)rows0; (void)rows1; }
+#endif
+
 /* x: [M][K] bf16, rows x_stride apart (K even); w: the blocked layout of an [N][K] weight (for
  * modes GATED and GATED_SWIGLU, gate/up interleaved: N = 2h, h a multiple of 16); bias: fp32 [N
  * padded to 16], in the layout's order, or NULL; y: [M][N] bf16 ([M][N / 2] for GATED_SWIGLU),
@@ -140,6 +293,13 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
     const long n_blocks = (N + LANES - 1) / LANES, groups = (n_blocks + NT - 1) / NT;
     const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
     const long claim = items / ((num_threads > 1 ? num_threads : 1) * (long)CLAIMS_PER_THREAD) + 1;
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_enabled == 1 && pairs % AMX_PAIRS == 0) {
+        amx_linear(x, M, x_stride, pairs, w, N, n_blocks, chunks, items, claim, bias, y, y_stride, num_threads,
+                   half, mode);
+        return 0;
+    }
+#endif
     #pragma omp parallel for schedule(dynamic, claim) num_threads(num_threads) if(items > 1)
     for (long item = 0; item < items; item++) {
         const long g = item / chunks, chunk = item % chunks;

@@ -5,8 +5,10 @@ is not kept:
 - bf16 on a CPU with AVX512-BF16: kernels/cpu/blocked_linear.c's layout, 16 output channels by
   pairs of inputs. One sequential stream per thread, no per-call dispatch: one row runs
   1.2-1.9x faster than oneDNN's packed matmul and 4 rows 1.1-1.4x; from 16 rows to prefill
-  chunks both are within a few percent (bench/blocked_linear.py). Rows need no padding to
-  shape buckets.
+  chunks both are within a few percent (bench/blocked_linear.py, on a Zen 4). Rows need no
+  padding to shape buckets. With AMX the same layout is the tiles' operand, read in place: on a
+  2-core Xeon with AMX, 0.99-1.71x oneDNN's bf16 matmul (itself on AMX) at 1-64 rows and
+  0.60-1.38x at 256-2048 (kernels/cpu/blocked_linear.c).
 - fp32 whose values are all bf16 (a bf16 checkpoint run in fp32, as on CPUs without bf16
   instructions), with the AVX2 kernel: the same values as bf16 in the blocked layout. On an AVX2
   CPU without AVX-512 ("blocked", `blocked_linear.f32_outruns_onednn`) every call runs there:

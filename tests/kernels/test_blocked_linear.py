@@ -1,7 +1,9 @@
 """The bf16 blocked linear kernel (kernels/cpu/blocked_linear.c) against an fp32 matmul: every
 tile shape (1-4 rows by 1-4 blocks, a partial last block), row chunks, strided inputs, the bias;
 SwiGLU fused into a gate/up product against the element-wise kernel; and the layer that holds a
-weight in its layout."""
+weight in its layout. Every test runs on AVX512-BF16's vector tiles and, where the CPU has them,
+again on AMX's tiles (K a multiple of 32: one or two row tiles of up to 16 rows, one or two
+blocks a step; other K take the vector tiles)."""
 
 import pytest
 import torch
@@ -14,16 +16,31 @@ pytestmark = pytest.mark.skipif(not blocked_linear.available(),
                                 reason="no AVX512-BF16 on this CPU (or no C compiler): oneDNN runs bf16 weights")
 
 
+@pytest.fixture(autouse=True, params=["vector", "amx"])
+def tiles(request):
+    """Which tiles run the bf16 calls: AVX512-BF16's vectors, or AMX's where there are."""
+    if not cpu_kernels.use_amx(request.param == "amx") and request.param == "amx":
+        pytest.skip("no AMX on this CPU (or the OS refused this process its tiles)")
+    yield request.param
+    cpu_kernels.use_amx(True)
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = x.float() @ w.float().t()
     return out + bias.float() if bias is not None else out
 
 
-def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor) -> None:
-    """got is exact rounded to bf16, give or take one bf16 step (fp32 sums in another order)."""
+def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor, slack: torch.Tensor | float = 0.0) -> None:
+    """got is exact rounded to bf16, give or take one bf16 step (fp32 sums in another order) and
+    `slack` (what fp32 sums may lose where they cancel)."""
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
     step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-30)
-    assert ((got.float() - exact).abs() <= step).all()
+    assert ((got.float() - exact).abs() <= step + slack).all()
+
+
+def fp32_sum_slack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The most K fp32 additions of these products can lose: K ulps of the sum of their sizes."""
+    return x.shape[-1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t())
 
 
 # (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
@@ -81,9 +98,43 @@ def test_what_the_kernel_does_not_take_is_refused():
         blocked_linear.linear(torch.randn(2, 6).bfloat16(), packed)
 
 
+# (out features, in features, rows) for AMX's tiles: K of one and of several tiles of 16 pairs,
+# one and two row tiles with every remainder kind (1, 15, 16, 17, 31, 32, 33 rows), an odd last
+# block and a partial one, and rows past a chunk of 256.
+AMX_SHAPES = [(16, 32, 1), (48, 64, 15), (40, 96, 16), (80, 32, 17), (97, 128, 31), (112, 64, 32),
+              (1152, 896, 33), (200, 896, 64), (136, 64, 300)]
+
+
+@pytest.mark.parametrize("n,k,rows", AMX_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_tile_shapes_equal_an_fp32_matmul_rounded_once(n, k, rows, with_bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = blocked_linear.pack(w, bias)
+    out = blocked_linear.linear(x, packed)
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert_rounded_from(out, exact.float(), fp32_sum_slack(x, w).float())
+    # a row's sums run in the same order in any batch: its bits do not depend on the others
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(blocked_linear.linear(x[r:r + 1], packed), out[r:r + 1])
+    strided = torch.cat([x, x], dim=1)[:, :k]
+    assert torch.equal(blocked_linear.linear(strided, packed), out)
+
+
+def test_k_off_amx_tiles_takes_the_vector_tiles_bits(tiles):
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 48, generator=g).bfloat16(), torch.randn(20, 48, generator=g).bfloat16()
+    packed = blocked_linear.pack(w)  # K = 48: 24 pairs, not whole tiles of 16
+    out = blocked_linear.linear(x, packed)
+    cpu_kernels.use_amx(False)
+    assert torch.equal(out, blocked_linear.linear(x, packed))
+
+
 # (half width h, in features, rows): one pair of blocks, a group and a half (the last group one
 # pair), tile heights 1-4 with remainders, two row chunks.
-SWIGLU_SHAPES = [(16, 32, 1), (48, 64, 5), (96, 40, 7), (64, 128, 300)]
+SWIGLU_SHAPES = [(16, 32, 1), (48, 64, 5), (96, 40, 7), (64, 128, 300), (48, 64, 33)]
 
 
 @pytest.mark.parametrize("half,k,rows", SWIGLU_SHAPES)
