@@ -59,6 +59,16 @@
 #define HAVE_DPBF16 0
 #endif
 
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#define AMX_ROWS 16  /* rows a tile holds: the AMX path's row groups */
+/* kernels/cpu/blocked_linear.c: whether the tiles run, and this thread's tile shapes. */
+int strata_amx(int on);
+void strata_amx_configure(int rows0, int rows1);
+#else
+#define HAVE_AMX 0
+#endif
+
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_to_f32((p)[i])
 #define IDENTITY(x) (x)
@@ -230,6 +240,73 @@ static inline __attribute__((always_inline)) void pv_bf16_nv(const uint16_t *p, 
     _Pragma("GCC unroll 6") for (int r = 0; r < RT; r++)
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + (long)r * D + 16 * v, acc[r][v]);
 }
+#endif
+
+#if HAVE_AMX
+/* The same two products on AMX tiles, 16 rows at a time (tiles configured as 16 rows of 64 bytes,
+ * strata_amx_configure(16, 16)), head_dim a multiple of 32. The pair tiles are already the B
+ * operand's format: 16 keys (or dims) of 16 pairs are 16 rows of 64 bytes, BN (or D) words apart.
+ * S: tiles 0-3 the scores of 4 x 16 keys, 4 the queries' next 32 dims, 5-7 the keys'. */
+static void scores_amx(const void *qv, int D, const void *kv, float *s, int nk)
+{
+    const uint16_t *q = (const uint16_t *)qv, *kp = (const uint16_t *)kv;
+    const int nv = (nk + 15) / 16;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int d = 0; d < D; d += 32) {
+        const uint16_t *k = kp + (long)d * BN;  /* pair d / 2's row: BN words */
+        _tile_loadd(4, q + d, D * 2);
+        _tile_loadd(5, k, BN * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nv > 1) { _tile_loadd(6, k + 32, BN * 4); _tile_dpbf16ps(1, 4, 6); }
+        if (nv > 2) { _tile_loadd(7, k + 64, BN * 4); _tile_dpbf16ps(2, 4, 7); }
+        if (nv > 3) { _tile_loadd(5, k + 96, BN * 4); _tile_dpbf16ps(3, 4, 5); }
+    }
+    _tile_stored(0, s, BN * 4);
+    if (nv > 1) _tile_stored(1, s + 16, BN * 4);
+    if (nv > 2) _tile_stored(2, s + 32, BN * 4);
+    if (nv > 3) _tile_stored(3, s + 48, BN * 4);
+}
+
+/* O = alpha O + P V for 16 rows: P [16][BN] bf16 (zero past each row's keys, up to nk rounded up
+ * to 32), V [BN/2][D][2]. Tiles 0-3 the sums of 4 x 16 dims, 4-5 P's two halves of 32 keys, 6-7
+ * V's. O is scaled in memory first, where a row's max moved. */
+static void pv_amx(const void *pv, const void *vv, int D, int nk, float *o, const float *alpha)
+{
+    const uint16_t *p = (const uint16_t *)pv, *vp = (const uint16_t *)vv;
+    for (int r = 0; r < AMX_ROWS; r++)
+        if (alpha[r] != 1.f) {
+            const __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(o + (long)r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + (long)r * D + d), a));
+        }
+    const int halves = nk > 32 ? 2 : 1;
+    _tile_loadd(4, p, BN * 2);
+    if (halves > 1) _tile_loadd(5, p + 32, BN * 2);
+    const uint16_t *v1 = vp + 16L * D * 2;  /* keys 32-63: pair row 16 */
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nt = D - d0 >= 64 ? 4 : (D - d0) / 16;  /* 2 (D a multiple of 32) or 4 */
+        float *od = o + d0;
+        const uint16_t *v0 = vp + (long)d0 * 2;
+#define PV_TILE(T, B)                                                                    \
+        _tile_loadd(T, od + 16 * (T), D * 4);                                              \
+        _tile_loadd(B, v0 + 32 * (T), D * 4);                                              \
+        _tile_dpbf16ps(T, 4, B);                                                           \
+        if (halves > 1) { _tile_loadd(B, v1 + (long)d0 * 2 + 32 * (T), D * 4); _tile_dpbf16ps(T, 5, B); } \
+        _tile_stored(T, od + 16 * (T), D * 4);
+        PV_TILE(0, 6)
+        PV_TILE(1, 7)
+        if (nt > 2) { PV_TILE(2, 6) PV_TILE(3, 7) }
+#undef PV_TILE
+    }
+}
+
+static int amx_runs(int D) { return D % 32 == 0 && strata_amx(-1) == 1; }
+static void tiles_begin(int amx) { if (amx) strata_amx_configure(AMX_ROWS, AMX_ROWS); }
+static void tiles_end(int amx) { if (amx) _tile_release(); }
+#else
+static int amx_runs(int D) { (void)D; return 0; }
+static void tiles_begin(int amx) { (void)amx; }
+static void tiles_end(int amx) { (void)amx; }
 #endif
 
 /* Dispatch to a constant NV (1..4), and over head_dim in chunks of 64 dims for P x V. The tile
@@ -457,8 +534,9 @@ static void *alloc64(size_t bytes) {
 }
 
 /* T: the model's dtype; PACK: the engine's packer from a cache of T; QE: the engine's element
- * (Q rows, tiles); P_BF16: whether P is bf16; WIDEN_Q: T -> QE for the query rows. */
-#define DEFINE_KERNEL(NAME, T, QE, PACK, SCORES, PV, P_BF16, TO_QE, NARROW)                         \
+ * (Q rows, tiles); P_BF16: whether P is bf16; WIDEN_Q: T -> QE for the query rows; AMX: whether
+ * SCORES16 and PV16 (16 rows at a time on AMX tiles) may take the products, where amx_runs. */
+#define DEFINE_KERNEL(NAME, T, QE, PACK, SCORES, PV, P_BF16, TO_QE, NARROW, AMX, SCORES16, PV16)     \
 int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const int32_t *block_tables,  \
          int max_blocks, const int32_t *query_start_loc, const int32_t *context_lens, T *out,         \
          long out_stride, int batch, int num_heads, int num_kv_heads, int head_dim, int block_size,   \
@@ -474,15 +552,16 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
     }                                                                                                   \
     if (num_threads < 1) num_threads = 1;                                                               \
     const int group = num_heads / num_kv_heads;                                                         \
+    const int amx = AMX && amx_runs(D), ru = amx ? AMX_ROWS_OR_RT : RT;  /* rows a product takes */    \
     /* Tokens per task: about ROWS_TARGET rows, a multiple of RT rows where cheap; smaller while  \
      * the tasks would not keep every thread busy. */                                                 \
     int bq = (ROWS_TARGET + group - 1) / group;                                                         \
     long total_q = 0;                                                                                   \
     for (int b = 0; b < batch; b++) total_q += query_start_loc[b + 1] - query_start_loc[b];            \
     while (bq > 4 && (long)num_kv_heads * ((total_q + bq - 1) / bq) < 4L * num_threads) bq = (bq + 1) / 2; \
-    { int g = group, r = RT; while (r) { int t = g % r; g = r; r = t; }                               \
-      const int step = RT / g; bq = (bq + step - 1) / step * step; }                                   \
-    const int mpad = (bq * group + RT - 1) / RT * RT;                                                   \
+    { int g = group, r = ru; while (r) { int t = g % r; g = r; r = t; }                               \
+      const int step = ru / g; bq = (bq + step - 1) / step * step; }                                   \
+    const int mpad = (bq * group + ru - 1) / ru * ru;                                                   \
     /* Tiles: per chunk, per KV head, ceil(ctx / BN) tiles of K then V, 2 * BN * D elements. */     \
     long *tile0 = (long *)malloc(sizeof(long) * ((size_t)batch + 1));                                   \
     if (!tile0) return -2;                                                                              \
@@ -532,6 +611,7 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
         if (!qbuf || !sbuf || !pbuf || !obuf || !rowf || !pos) {                                        \
             _Pragma("omp atomic write") failed = 1;                                                     \
         }                                                                                               \
+        tiles_begin(amx);                                                                               \
         _Pragma("omp for schedule(dynamic, 1)")                                                        \
         for (long ti = 0; ti < nt; ti++) {                                                             \
             if (!qbuf || !sbuf || !pbuf || !obuf || !rowf || !pos) continue;                           \
@@ -562,9 +642,9 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
                 const int width = (nk + 31) / 32 * 32;                                                  \
                 /* Rows before tt_lo precede the tile entirely (their positions < kb): skip. */       \
                 const int tt_lo = kb - (first + tk.t0) > 0 ? kb - (first + tk.t0) : 0;                 \
-                const int r0 = tt_lo * group / RT * RT;                                                 \
-                for (int r = r0; r < mpad; r += RT)                                                     \
-                    SCORES(qbuf + (long)r * D, D, kt, sbuf + (long)r * BN, nk);                         \
+                const int r0 = tt_lo * group / ru * ru;                                                 \
+                for (int r = r0; r < mpad; r += ru)                                                     \
+                    (amx ? SCORES16 : SCORES)(qbuf + (long)r * D, D, kt, sbuf + (long)r * BN, nk);      \
                 for (int r = r0; r < mpad; r++) {                                                       \
                     const int nvalid = pos[r] - kb + 1 < nk ? pos[r] - kb + 1 : nk;                    \
                     if (nvalid <= 0) {  /* masked row in a live row group: P = 0, O unchanged */       \
@@ -575,8 +655,8 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
                                                l + (long)r * L_LANES,                                   \
                                                pbuf + (long)r * BN, P_BF16);                            \
                 }                                                                                       \
-                for (int r = r0; r < mpad; r += RT)                                                     \
-                    PV(pbuf + (long)r * BN, vt, D, nk, obuf + (long)r * D, alpha + r);                 \
+                for (int r = r0; r < mpad; r += ru)                                                     \
+                    (amx ? PV16 : PV)(pbuf + (long)r * BN, vt, D, nk, obuf + (long)r * D, alpha + r);  \
             }                                                                                           \
             for (int r = 0; r < rows; r++) {                                                            \
                 const int tt = r / group, h = tk.kvh * group + r % group;                              \
@@ -588,6 +668,7 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
                 for (int d = 0; d < D; d++) dst[d] = NARROW(orow[d] * inv);                             \
             }                                                                                           \
         }                                                                                               \
+        tiles_end(amx);                                                                                 \
         free(qbuf); free(sbuf); free(pbuf); free(obuf); free(rowf); free(pos);                         \
     }                                                                                                   \
     free(tiles);                                                                                        \
@@ -596,12 +677,20 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
     return failed ? -2 : 0;                                                                             \
 }
 
+#if HAVE_AMX
+#define AMX_ROWS_OR_RT AMX_ROWS
+#else
+#define AMX_ROWS_OR_RT RT
+#endif
 DEFINE_KERNEL(strata_prefill_attention_f32, float, float, pack_f32_from_f32, scores_f32, pv_f32, 0,
-              IDENTITY, IDENTITY)
-#if HAVE_DPBF16
+              IDENTITY, IDENTITY, 0, scores_f32, pv_f32)
+#if HAVE_AMX
 DEFINE_KERNEL(strata_prefill_attention_bf16, uint16_t, uint16_t, pack_bf16_pairs, scores_bf16, pv_bf16, 1,
-              IDENTITY, f32_to_bf16)
+              IDENTITY, f32_to_bf16, 1, scores_amx, pv_amx)
+#elif HAVE_DPBF16
+DEFINE_KERNEL(strata_prefill_attention_bf16, uint16_t, uint16_t, pack_bf16_pairs, scores_bf16, pv_bf16, 1,
+              IDENTITY, f32_to_bf16, 0, scores_bf16, pv_bf16)
 #else  /* no vdpbf16ps: widen to the fp32 engine when packing */
 DEFINE_KERNEL(strata_prefill_attention_bf16, uint16_t, float, pack_f32_from_bf16, scores_f32, pv_f32, 0,
-              bf16_to_f32, f32_to_bf16)
+              bf16_to_f32, f32_to_bf16, 0, scores_f32, pv_f32)
 #endif

@@ -223,6 +223,26 @@ def test_c_prefill_kernel_matches_reference(kv_heads, group, head_dim, dtype):
     torch.testing.assert_close(ours.float(), ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX on this CPU (or the OS refused this process its tiles)")
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 7, 64), (4, 1, 32), (1, 8, 128), (2, 3, 96)])
+def test_c_prefill_kernel_on_amx_tiles_matches_the_vector_tiles(kv_heads, group, head_dim):
+    """bf16 with AMX: 16 rows a product (rows padded to 16, causal row groups skipped by 16), the
+    scores of up to 4 x 16 keys and P x V in halves of 32 keys; against the reference, and
+    against AVX512-BF16's vector tiles (the same sums up to their order)."""
+    q, kc, vc, tables, starts, ctx = prefill_case(12, PREFILL_CHUNKS, kv_heads, group, head_dim, torch.bfloat16)
+    scale = head_dim ** -0.5
+    on_tiles = cpu_kernels.paged_prefill_attention_cpu(q, kc, vc, tables, starts, ctx, scale)
+    try:
+        assert not cpu_kernels.use_amx(False)
+        on_vectors = cpu_kernels.paged_prefill_attention_cpu(q, kc, vc, tables, starts, ctx, scale)
+    finally:
+        cpu_kernels.use_amx(True)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, starts, ctx, scale)
+    atol, rtol = prefill_tolerance(torch.bfloat16)
+    torch.testing.assert_close(on_tiles.float(), ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(on_tiles.float(), on_vectors.float(), atol=atol, rtol=rtol)
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_prefill_kernel_strided_views_and_odd_shapes(dtype):
