@@ -21,7 +21,10 @@ Engine (--engine): the model loaded three times in one process: its linears in o
 into the gate/up product); a fourth arm runs that last engine with SwiGLU as a separate
 element-wise pass. Decode steps at the given batches and one prefill of --prefill-len tokens,
 alternating the arms, the median of --repeats. Where this CPU has no AVX512-BF16 the blocked
-kernel does not run: the script says so.
+kernel does not run: the script says so. Where it has AMX (`kernels.cpu.amx()`), the blocked
+weights run on AMX's tiles, and once more on AVX512-BF16's vector tiles: a third kernel arm
+("amx" beside "blocked", the vector tiles) and a fifth engine arm ("blocked_vector_tiles", the
+as-run engine with `kernels.cpu.use_amx(False)`, which turns prefill attention's tiles off too).
 
     python bench/blocked_linear.py                       # kernel, 2 threads: bench/results/blocked_linear.json/png
     python bench/blocked_linear.py --engine M,L          # and the engine, decode b1/b32 and a 2048-token prefill
