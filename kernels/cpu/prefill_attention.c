@@ -63,9 +63,9 @@
 #define HAVE_DPBF16 0
 #endif
 
+#define AMX_ROWS 16  /* rows a tile holds: the AMX path's row groups */
 #if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-#define AMX_ROWS 16  /* rows a tile holds: the AMX path's row groups */
 /* kernels/cpu/blocked_linear.c: whether the tiles run, and this thread's tile shapes. */
 int strata_amx(int on);
 void strata_amx_configure(int rows0, int rows1);
@@ -556,8 +556,8 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
     }                                                                                                   \
     if (num_threads < 1) num_threads = 1;                                                               \
     const int group = num_heads / num_kv_heads;                                                         \
-    const int amx = AMX && amx_runs(D), ru = amx ? AMX_ROWS_OR_RT : RT;  /* rows a product takes */    \
-    /* Tokens per task: about ROWS_TARGET rows, a multiple of RT rows where cheap; smaller while  \
+    const int amx = AMX && amx_runs(D), ru = amx ? AMX_ROWS : RT;  /* rows a product takes */          \
+    /* Tokens per task: about ROWS_TARGET rows, a multiple of ru rows where cheap; smaller while  \
      * the tasks would not keep every thread busy. */                                                 \
     int bq = (ROWS_TARGET + group - 1) / group;                                                         \
     long total_q = 0;                                                                                   \
@@ -681,11 +681,6 @@ int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache, const in
     return failed ? -2 : 0;                                                                             \
 }
 
-#if HAVE_AMX
-#define AMX_ROWS_OR_RT AMX_ROWS
-#else
-#define AMX_ROWS_OR_RT RT
-#endif
 DEFINE_KERNEL(strata_prefill_attention_f32, float, float, pack_f32_from_f32, scores_f32, pv_f32, 0,
               IDENTITY, IDENTITY, 0, scores_f32, pv_f32)
 #if HAVE_AMX

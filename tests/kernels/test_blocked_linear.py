@@ -43,6 +43,14 @@ def fp32_sum_slack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.shape[-1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t())
 
 
+def case(n: int, k: int, rows: int, with_bias: bool):
+    """A bf16 weight [n, k], its bias or None, and x [rows, k], seeded by the shape."""
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    return w, bias, torch.randn(rows, k, generator=g).bfloat16()
+
+
 # (out features, in features, rows): partial blocks (N of 1, 17, 40), 1-3 trailing blocks of a
 # group of 4 (N = 64 + 16, + 33, + 48), rows 1-9 (every tile height and a remainder), 300 rows (two
 # chunks of 256, the second not a multiple of 4), K of 2 (one pair), a weight past 2 MB (in
@@ -54,10 +62,7 @@ SHAPES = [(1, 32, 1), (17, 6, 5), (40, 32, 3), (80, 64, 2), (97, 128, 7), (112, 
 @pytest.mark.parametrize("n,k,rows", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_equals_an_fp32_matmul_rounded_once(n, k, rows, with_bias):
-    g = torch.Generator().manual_seed(n * 1000 + k + rows)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(rows, k, generator=g).bfloat16()
+    w, bias, x = case(n, k, rows, with_bias)
     assert_rounded_from(blocked_linear.linear(x, blocked_linear.pack(w, bias)), reference(x, w, bias))
 
 
@@ -108,10 +113,7 @@ AMX_SHAPES = [(16, 32, 1), (48, 64, 15), (40, 96, 16), (80, 32, 17), (97, 128, 3
 @pytest.mark.parametrize("n,k,rows", AMX_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_tile_shapes_equal_an_fp32_matmul_rounded_once(n, k, rows, with_bias):
-    g = torch.Generator().manual_seed(n * 1000 + k + rows)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(rows, k, generator=g).bfloat16()
+    w, bias, x = case(n, k, rows, with_bias)
     packed = blocked_linear.pack(w, bias)
     out = blocked_linear.linear(x, packed)
     exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
