@@ -191,16 +191,20 @@ def amx() -> bool:
     """The bf16 kernels run on AMX tiles (the blocked linear where K is a multiple of 32, prefill
     attention where head_dim is): this CPU has them, the OS let this process use them, and
     `use_amx` did not turn them off."""
-    lib = load()
-    return lib is not None and hasattr(lib, "strata_amx") and lib.strata_amx(-1) == 1
+    return _amx_state(-1)
 
 
 def use_amx(on: bool) -> bool:
     """Run the bf16 kernels on AMX tiles (on, where there are) or on AVX512-BF16's vector tiles
     (off); returns whether they run on AMX now. For benches and tests: the two give the same sums
     up to their order, and AMX is used by default wherever it is."""
+    return _amx_state(int(on))
+
+
+def _amx_state(on: int) -> bool:
+    """strata_amx(on) of the loaded build (1 asks for the tiles, 0 turns them off, -1 only asks)."""
     lib = load()
-    return lib is not None and hasattr(lib, "strata_amx") and lib.strata_amx(int(on)) == 1
+    return lib is not None and hasattr(lib, "strata_amx") and lib.strata_amx(on) == 1
 
 
 def heads_contiguous(t: torch.Tensor) -> bool:

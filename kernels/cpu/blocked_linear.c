@@ -249,12 +249,10 @@ static void amx_step(int rows0, int rows1, int blocks, const uint16_t *x, long x
  * rounds' median), a 2048-token prefill ran 1.085x (L) and 1.08x (M) as fast, 16 prompts of 128
  * tokens 1.07x and 1.10x. The vector tiles, bound by their multiply-adds, do not wait on x. */
 static void amx_linear(const uint16_t *x, long M, long x_stride, long pairs, const uint32_t *w, long N,
-                       long n_blocks, const float *bias, uint16_t *y, long y_stride, int num_threads, long half,
-                       int mode)
+                       long n_blocks, long groups, long chunks, long items, long claim, const float *bias,
+                       uint16_t *y, long y_stride, int num_threads, long half, int mode)
 {
-    const long block_words = pairs * LANES, groups = (n_blocks + NT - 1) / NT;
-    const long chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK, items = groups * chunks;
-    const long claim = items / ((num_threads > 1 ? num_threads : 1) * (long)CLAIMS_PER_THREAD) + 1;
+    const long block_words = pairs * LANES;
     const int chunk_major = ROW_CHUNK * pairs * 4 <= AMX_CHUNK_BYTES;
     #pragma omp parallel num_threads(num_threads) if(items > 1)
     {
@@ -306,7 +304,8 @@ int strata_blocked_linear_bf16(const uint16_t *x, long M, long K, long x_stride,
     const long claim = items / ((num_threads > 1 ? num_threads : 1) * (long)CLAIMS_PER_THREAD) + 1;
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx_enabled == 1 && pairs % AMX_PAIRS == 0) {
-        amx_linear(x, M, x_stride, pairs, w, N, n_blocks, bias, y, y_stride, num_threads, half, mode);
+        amx_linear(x, M, x_stride, pairs, w, N, n_blocks, groups, chunks, items, claim, bias, y, y_stride,
+                   num_threads, half, mode);
         return 0;
     }
 #endif
